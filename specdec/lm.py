@@ -1,0 +1,117 @@
+"""The one adapter through which the engine runs a causal LM:
+forward(cache, ids, block mask, depths) -> logits (and the last hidden state on request).
+
+Any transformers causal LM goes through this general path: a custom 4D additive attention
+mask and explicit position ids, with our validity-masked KV cache. No model code is patched
+or copied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from specdec.kv_cache import KVCache
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [batch, q or len(logits_at), vocab]
+    hidden: Optional[torch.Tensor] = None  # [batch, q, hidden] last layer, after the final norm
+
+
+class CausalLM:
+    """A transformers causal LM in eval mode, plus what the engine needs to know about it."""
+
+    def __init__(self, model: torch.nn.Module, name: str = "model"):
+        self.model = model.eval()
+        self.name = name
+        self.config = model.config
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_positions = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
+        eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
+        if eos is None:
+            eos = getattr(self.config, "eos_token_id", None)
+        self.eos_token_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def new_cache(self, batch_size: int) -> KVCache:
+        return KVCache(batch_size, self.device, config=self.config)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: KVCache,
+        input_ids: torch.Tensor,
+        block_mask: Optional[torch.Tensor] = None,
+        depth: Optional[torch.Tensor] = None,
+        input_valid: Optional[torch.Tensor] = None,
+        logits_at: Optional[torch.Tensor] = None,
+        want_hidden: bool = False,
+    ) -> ForwardOutput:
+        """Run q new inputs per row against the cache and append their KV slots.
+
+        input_ids [batch, q]; block_mask [batch, q, q] bool (None: causal), who may attend to
+        whom among the new inputs; depth [batch, q] position offsets from each row's length
+        (None: 0..q-1); input_valid [batch, q] bool (None: all), False for padding, which
+        nothing attends to and whose slots are written invalid; logits_at [m] long, the only
+        block columns whose logits are computed (None: all).
+        The new slots stay valid (where input_valid) until the caller's `cache.keep_last`.
+        """
+        batch, q = input_ids.shape
+        dev = self.device
+        if block_mask is None:
+            block_mask = torch.ones(q, q, dtype=torch.bool, device=dev).tril().expand(batch, q, q)
+        if depth is None:
+            depth = torch.arange(q, device=dev).expand(batch, q)
+        if input_valid is None:
+            input_valid = torch.ones(batch, q, dtype=torch.bool, device=dev)
+        eye = torch.eye(q, dtype=torch.bool, device=dev)
+        new = (block_mask.to(dev) & input_valid[:, None, :]) | eye  # [batch, q, q]; padding attends to itself only
+        past = cache.valid[:, None, :].expand(batch, q, cache.num_slots)  # [batch, q, slots]
+        allowed = torch.cat([past, new], dim=2)  # [batch, q, slots + q]
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=dev)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        positions = cache.lengths[:, None].to(dev) + depth.to(dev)  # [batch, q]
+        kwargs = {}
+        if logits_at is not None:
+            kwargs["logits_to_keep"] = logits_at.to(dev)
+        out = self.model(
+            input_ids=input_ids.to(dev),
+            attention_mask=mask[:, None],  # [batch, 1, q, slots + q]
+            position_ids=positions,
+            cache=cache.hf,
+            use_cache=True,
+            output_hidden_states=want_hidden,
+            **kwargs,
+        )
+        cache.appended(input_valid)
+        hidden = out.hidden_states[-1] if want_hidden else None
+        return ForwardOutput(logits=out.logits, hidden=hidden)
+
+    @torch.inference_mode()
+    def prefill(self, cache: KVCache, prompts: list[list[int]] | list[tuple[int, ...]]) -> torch.Tensor:
+        """Feed prompts of different lengths (right-padded) into an empty or partly filled cache.
+
+        Returns logits [batch, vocab] at each row's last prompt token.
+        """
+        lens = torch.tensor([len(p) for p in prompts])
+        width = int(lens.max())
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        valid = torch.arange(width)[None, :] < lens[:, None]  # [batch, width]
+        last = lens - 1  # [batch]
+        cols, inverse = torch.unique(last, return_inverse=True)
+        out = self.forward(cache, ids, input_valid=valid, logits_at=cols)
+        cache.keep_last(valid)
+        return out.logits[torch.arange(len(prompts)), inverse]  # [batch, vocab]

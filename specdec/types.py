@@ -1,0 +1,125 @@
+"""Plain frozen dataclasses passed between the stages of the decoding loop.
+
+Vocabulary (design.md §2): `k` drafted tokens per step; *accepted* draft tokens are kept by
+the target; the *recovered* token is sampled from the residual at the first rejection; the
+*bonus* token is the extra target token when all k are accepted; *emitted* = accepted + 1.
+τ (mean acceptance length) = emitted tokens per target forward; α = accepted / drafted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from specdec.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy (argmax); greedy is the lossless default
+    top_k: int = 0  # 0 disables top-k filtering
+    top_p: float = 1.0  # 1.0 disables nucleus filtering
+    seed: Optional[int] = None  # None: fresh randomness; an int makes sampling reproducible
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0):  # also rejects NaN
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class StopConditions:
+    max_new_tokens: int = 128
+    eos_token_ids: tuple[int, ...] = ()  # generation stops after emitting any of these (kept in the output)
+    stop_strings: tuple[str, ...] = ()  # generation stops once the text contains one (cut from the text)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise InvalidRequest(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop_strings):
+            raise InvalidRequest("stop strings must be non-empty")
+
+
+@dataclass(frozen=True)
+class ProposeContext:
+    """What a proposer sees for one step, one entry per active sequence (row)."""
+
+    row_ids: tuple[int, ...]  # stable identity of each sequence across steps (rows leave as they finish)
+    token_ids: tuple[tuple[int, ...], ...]  # committed tokens per row: prompt + generated so far
+    k: tuple[int, ...]  # how many tokens to draft per row (a proposer may return fewer)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Drafted tokens for one sequence. Empty means: decode one token plainly this step."""
+
+    token_ids: tuple[int, ...] = ()  # [n] drafted nodes in forward order
+    # Tree proposals: parent node index of each node, -1 for the last committed token.
+    # None means a chain (node i's parent is i - 1).
+    parents: Optional[tuple[int, ...]] = None
+    # [n, vocab] distribution each chain token was sampled from. None means the proposer is
+    # deterministic (prompt lookup, greedy drafting): rejection sampling then treats it as one-hot.
+    draft_probs: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.parents is not None:
+            if len(self.parents) != len(self.token_ids):
+                raise ValueError("parents must have one entry per node")
+            if any(not (-1 <= p < i) for i, p in enumerate(self.parents)):
+                raise ValueError("each node's parent must come before it (or be -1)")
+            if self.draft_probs is not None:
+                raise ValueError("draft_probs are only defined for chain proposals")
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents is None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the target decided for one sequence in one step."""
+
+    row_id: int
+    num_drafted: int
+    num_accepted: int
+    emitted: tuple[int, ...]  # accepted draft tokens + the recovered or bonus token (before stop truncation)
+
+
+@dataclass
+class GenerationStats:
+    """Raw counters for one sequence; rates are derived, never stored."""
+
+    target_forwards: int = 0  # prefill included: plain decoding has tau == 1
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.emitted / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: tuple[int, ...]  # generated tokens only (EOS included when it ended the sequence)
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: GenerationStats

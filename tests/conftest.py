@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny seeded models built in code (no downloads) and the helpers that
+compare speculative output with plain output token for token."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import pytest
+import torch
+
+from specdec.kv_cache import KVCache
+from specdec.lm import CausalLM
+from specdec.models import perturbed_copy, tiny_llama
+
+TIE_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> CausalLM:
+    return tiny_llama(seed=0, vocab_size=96, num_layers=2, hidden_size=48)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_target) -> CausalLM:
+    """Agrees with the target often but not always, so both accept and reject paths run."""
+    return perturbed_copy(tiny_target, noise=0.25, seed=1)
+
+
+def full_logits(lm: CausalLM, ids: Sequence[int]) -> torch.Tensor:
+    """[len(ids), vocab] logits of one plain causal forward over ids."""
+    cache = lm.new_cache(1)
+    return lm.forward(cache, torch.tensor([list(ids)])).logits[0]
+
+
+def assert_greedy_equal(lm: CausalLM, prompt: Sequence[int], got: Sequence[int], want: Sequence[int]) -> None:
+    """got must equal want token for token. A divergence is tolerated only at a position where
+    the plain run's top-two logits tie within TIE_TOLERANCE (k-token vs 1-token float rounding);
+    nothing after such a position can be compared."""
+    got, want = list(got), list(want)
+    j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if j is None:
+        assert len(got) == len(want), f"same prefix but lengths differ: {len(got)} vs {len(want)}"
+        return
+    logits = full_logits(lm, list(prompt) + want[:j])[-1]
+    top2 = torch.topk(logits.float(), 2).values
+    gap = float(top2[0] - top2[1])
+    assert gap < TIE_TOLERANCE, (
+        f"speculative output diverges at generated token {j}: {got[j]} vs {want[j]} "
+        f"(plain top-two logit gap {gap:.3g} is not a tie)")

@@ -1,0 +1,53 @@
+"""Greedy equality on the real embedded target (SmolLM2-135M-Instruct), 3 dev prompts x 32 tokens."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specdec.decode import plain_generate, speculative_generate
+from specdec.models import early_exit_copy, format_prompt, load_model
+from specdec.proposers import DraftModelProposer, PromptLookupProposer
+from specdec.types import StopConditions
+from tests.conftest import assert_greedy_equal
+
+pytestmark = pytest.mark.real_model
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "dev_prompts.jsonl"
+
+
+@pytest.fixture(scope="module")
+def real():
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def prompts(real):
+    rows = [json.loads(line) for line in SHARED.read_text().splitlines()]
+    picked = [next(r for r in rows if r["category"] == c) for c in ("code", "summarization", "chat")]
+    return [format_prompt(real.tokenizer, r["turns"][0])[-200:] for r in picked]
+
+
+@pytest.fixture(scope="module")
+def plain(real, prompts):
+    stop = StopConditions(max_new_tokens=32, eos_token_ids=real.lm.eos_token_ids)
+    return [plain_generate(real.lm, [p], stop=stop)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("name", ["draft_model", "prompt_lookup"])
+def test_real_target_speculative_equals_plain(real, prompts, plain, name, batch):
+    stop = StopConditions(max_new_tokens=32, eos_token_ids=real.lm.eos_token_ids)
+    proposer = DraftModelProposer(early_exit_copy(real.lm, 2)) if name == "draft_model" else PromptLookupProposer()
+    if batch == 1:
+        got = [speculative_generate(real.lm, proposer, [p], stop=stop, k=4)[0] for p in prompts]
+    else:
+        got = speculative_generate(real.lm, proposer, prompts, stop=stop, k=4)
+    for p, g, w in zip(prompts, got, plain):
+        assert_greedy_equal(real.lm, p, g.token_ids, w.token_ids)
+    assert sum(g.stats.accepted for g in got) > 0, "nothing was accepted: rollback paths were not exercised"
+
+
+def test_default_target_answers_a_chat_prompt(real):
+    ids = format_prompt(real.tokenizer, "What is the capital of France?")
+    out = plain_generate(real.lm, [ids], stop=StopConditions(max_new_tokens=24, eos_token_ids=real.lm.eos_token_ids))[0]
+    assert "Paris" in real.tokenizer.decode(out.token_ids)

@@ -1,0 +1,67 @@
+"""The master test: under greedy settings speculative decoding emits exactly the plain tokens,
+for every proposer, k and batch size, including stops that fall inside a drafted block."""
+
+import pytest
+
+from specdec.decode import KSchedule, plain_generate, speculative_generate
+from specdec.proposers import DraftModelProposer, PromptLookupProposer
+from specdec.types import StopConditions
+from tests.conftest import assert_greedy_equal
+
+PROMPTS = [[5, 17, 33, 2, 40], [9, 9], [60, 12, 7, 88, 3, 21, 45, 50, 11]]
+
+
+def _proposer(name, draft):
+    return DraftModelProposer(draft) if name == "draft_model" else PromptLookupProposer()
+
+
+def _check(target, proposer, prompts, stop, k):
+    want = [plain_generate(target, [p], stop=stop)[0] for p in prompts]
+    got = speculative_generate(target, proposer, prompts, stop=stop, k=k)
+    for p, g, w in zip(prompts, got, want):
+        assert_greedy_equal(target, p, g.token_ids, w.token_ids)
+        assert g.finish_reason == w.finish_reason
+    return got
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("name", ["draft_model", "prompt_lookup"])
+def test_speculative_equals_plain(tiny_target, tiny_draft, name, k, batch):
+    got = _check(tiny_target, _proposer(name, tiny_draft), PROMPTS[:batch], StopConditions(max_new_tokens=29), k)
+    assert all(len(g.token_ids) == 29 for g in got)
+
+
+@pytest.mark.parametrize("name", ["draft_model", "prompt_lookup"])
+def test_eos_inside_a_drafted_block_stops_like_plain(tiny_target, tiny_draft, name):
+    # Pick as EOS a token plain decoding emits mid-way through each prompt's answer.
+    free = [plain_generate(tiny_target, [p], stop=StopConditions(max_new_tokens=30))[0].token_ids for p in PROMPTS]
+    eos = free[0][11]
+    stop = StopConditions(max_new_tokens=30, eos_token_ids=(eos,))
+    got = _check(tiny_target, _proposer(name, tiny_draft), PROMPTS, stop, k=8)
+    assert got[0].finish_reason == "stop" and got[0].token_ids[-1] == eos
+    assert len(got[0].token_ids) <= 12
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 7, 13])
+def test_max_new_tokens_inside_a_block(tiny_target, tiny_draft, max_new):
+    got = _check(tiny_target, DraftModelProposer(tiny_draft), PROMPTS, StopConditions(max_new_tokens=max_new), k=5)
+    assert [len(g.token_ids) for g in got] == [max_new] * 3
+
+
+def test_adaptive_k_keeps_output_and_grows_on_acceptance(tiny_target, tiny_draft):
+    schedule = KSchedule(k=2, adaptive=True, k_max=12)
+    _check(tiny_target, DraftModelProposer(tiny_draft), PROMPTS, StopConditions(max_new_tokens=40), schedule)
+    # A perfect draft (the target itself) is always fully accepted: k must grow past its start of 2,
+    # which caps tau at 3 without adaptation.
+    got = _check(tiny_target, DraftModelProposer(tiny_target), PROMPTS, StopConditions(max_new_tokens=40), schedule)
+    assert min(g.stats.tau for g in got) > 3.0
+
+
+def test_stats_count_forwards_and_tokens(tiny_target, tiny_draft):
+    (g,) = speculative_generate(tiny_target, DraftModelProposer(tiny_draft), [PROMPTS[0]],
+                                stop=StopConditions(max_new_tokens=20), k=4)
+    s = g.stats
+    assert s.emitted == 20
+    assert s.emitted == s.target_forwards + min(s.accepted, s.emitted - s.target_forwards)
+    assert 0.0 <= s.alpha <= 1.0 and s.tau >= 1.0
