@@ -91,7 +91,7 @@ def plain_generate(
     checkers = [StopChecker(stop, detokenize) for _ in range(batch)]
     stats = [GenerationStats() for _ in range(batch)]
     cache = target.new_cache(batch)
-    logits = target.prefill(cache, [list(p) for p in prompts])  # [batch, vocab]
+    logits = target.prefill(cache, [list(p) for p in prompts]).logits  # [batch, vocab]
     active = list(range(batch))  # row index of each cache row
     while True:
         toks = []
@@ -115,9 +115,17 @@ def plain_generate(
 
 
 def _verify_block(proposal: Proposal, root: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """Block inputs for one row: [root] + drafted nodes, its [q, q] mask and [q] depths."""
+    """Block inputs for one row: [root] + drafted nodes (+ aux inputs), its [q, q] mask and [q] depths."""
     parents = proposal.parents if proposal.parents is not None else chain_parents(len(proposal.token_ids))
-    return [root, *proposal.token_ids], block_mask(parents), depths(parents)
+    ids, mask, depth = [root, *proposal.token_ids], block_mask(parents), depths(parents)
+    if proposal.aux is None:
+        return ids, mask, depth
+    aux = proposal.aux
+    n1, m = len(ids), len(aux.token_ids)
+    full = torch.zeros(n1 + m, n1 + m, dtype=torch.bool)  # candidates never see aux inputs
+    full[:n1, :n1] = mask
+    full[n1:] = aux.mask
+    return ids + list(aux.token_ids), full, torch.cat([depth, torch.tensor(aux.depth, dtype=torch.long)])
 
 
 def _accept(proposal: Proposal, logits: torch.Tensor, sampling: SamplingParams,
@@ -157,12 +165,14 @@ def speculative_generate(
     checkers = [StopChecker(stop, detokenize) for _ in range(batch)]
     stats = [GenerationStats(target_forwards=1, emitted=1) for _ in range(batch)]
     row_k = [schedule.k] * batch
+    needs_hidden = bool(getattr(proposer, "needs_hidden", False))
     cache = target.new_cache(batch)
     # The prefill is a target forward that emits one token, exactly as in plain decoding.
-    first = target.prefill(cache, [list(p) for p in prompts])  # [batch, vocab]
+    first = target.prefill(cache, [list(p) for p in prompts], want_hidden=needs_hidden)
+    hidden = list(first.hidden) if needs_hidden else None  # per row [hidden]: state that produced the last token
     committed = [list(p) for p in prompts]
     for b in range(batch):
-        committed[b] += checkers[b].push([next_token(first[b], sampling, gens[b])])
+        committed[b] += checkers[b].push([next_token(first.logits[b], sampling, gens[b])])
     active = [b for b in range(batch) if checkers[b].finish_reason is None]
     if len(active) < batch:
         cache.select_rows(torch.tensor(active, dtype=torch.long))
@@ -170,7 +180,8 @@ def speculative_generate(
         # 1. propose: never more than the tokens still allowed (the block's bonus is one more).
         ks = tuple(min(row_k[b], checkers[b].remaining - 1) for b in active)
         ctx = ProposeContext(row_ids=tuple(active), token_ids=tuple(tuple(committed[b]) for b in active), k=ks,
-                             sampling=sampling)
+                             sampling=sampling,
+                             target_hidden=tuple(hidden[b] for b in active) if needs_hidden else None)
         proposals = proposer.propose(ctx) if any(ks) else [Proposal() for _ in active]
         # 2. score: one target forward over every row's [last committed token] + drafted nodes.
         blocks = [_verify_block(p, committed[b][-1]) for p, b in zip(proposals, active)]
@@ -185,7 +196,8 @@ def speculative_generate(
             mask[i, :n, :n] = row_mask
             depth[i, :n] = row_depth
             valid[i, :n] = True
-        logits = target.forward(cache, ids, mask, depth, valid).logits  # [rows, q, vocab]
+        out = target.forward(cache, ids, mask, depth, valid, want_hidden=needs_hidden)
+        logits = out.logits  # [rows, q, vocab]
         # 3. accept, 4. commit: keep the root and the accepted path in the cache, drop the rest.
         keep = torch.zeros(len(active), q, dtype=torch.bool)
         verdicts = []
@@ -194,8 +206,12 @@ def speculative_generate(
             path, nxt = _accept(prop, logits[i, : n + 1], sampling, gens[b])
             keep[i, 0] = True
             keep[i, [p + 1 for p in path]] = True
+            if needs_hidden:
+                hidden[b] = out.hidden[i, path[-1] + 1 if path else 0]
             emitted = [prop.token_ids[p] for p in path] + [nxt]
-            verdicts.append(Verdict(row_id=b, num_drafted=n, num_accepted=len(path), emitted=tuple(emitted)))
+            m = len(prop.aux.token_ids) if prop.aux is not None else 0
+            verdicts.append(Verdict(row_id=b, num_drafted=n, num_accepted=len(path), emitted=tuple(emitted),
+                                    aux_logits=logits[i, n + 1 : n + 1 + m] if m else None))
             taken = checkers[b].push(emitted)
             committed[b] += taken
             s = stats[b]

@@ -99,10 +99,11 @@ class CausalLM:
         return ForwardOutput(logits=out.logits, hidden=hidden)
 
     @torch.inference_mode()
-    def prefill(self, cache: KVCache, prompts: list[list[int]] | list[tuple[int, ...]]) -> torch.Tensor:
+    def prefill(self, cache: KVCache, prompts: list[list[int]] | list[tuple[int, ...]],
+                want_hidden: bool = False) -> ForwardOutput:
         """Feed prompts of different lengths (right-padded) into an empty or partly filled cache.
 
-        Returns logits [batch, vocab] at each row's last prompt token.
+        Returns logits [batch, vocab] (and hidden [batch, hidden]) at each row's last prompt token.
         """
         lens = torch.tensor([len(p) for p in prompts])
         width = int(lens.max())
@@ -110,8 +111,10 @@ class CausalLM:
         for b, p in enumerate(prompts):
             ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
         valid = torch.arange(width)[None, :] < lens[:, None]  # [batch, width]
+        rows = torch.arange(len(prompts))
         last = lens - 1  # [batch]
         cols, inverse = torch.unique(last, return_inverse=True)
-        out = self.forward(cache, ids, input_valid=valid, logits_at=cols)
+        out = self.forward(cache, ids, input_valid=valid, logits_at=cols, want_hidden=want_hidden)
         cache.keep_last(valid)
-        return out.logits[torch.arange(len(prompts)), inverse]  # [batch, vocab]
+        hidden = out.hidden[rows, last] if want_hidden else None  # [batch, hidden]
+        return ForwardOutput(logits=out.logits[rows, inverse], hidden=hidden)  # logits [batch, vocab]

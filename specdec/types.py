@@ -57,6 +57,27 @@ class ProposeContext:
     token_ids: tuple[tuple[int, ...], ...]  # committed tokens per row: prompt + generated so far
     k: tuple[int, ...]  # how many tokens to draft per row (a proposer may return fewer)
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Only for proposers with `needs_hidden = True` (e.g. Medusa heads): per row, the target's
+    # last-layer hidden state [hidden] at the token before the last committed one, i.e. the
+    # state whose logits produced the last committed token.
+    target_hidden: Optional[tuple[torch.Tensor, ...]] = None
+
+
+@dataclass(frozen=True)
+class AuxBlock:
+    """Extra inputs scored in the same target forward as the candidates but never accepted,
+    e.g. Lookahead's Jacobi window. Their logits come back in the Verdict."""
+
+    token_ids: tuple[int, ...]  # [m]
+    # [m, 1 + n + m] bool: what each aux input attends to inside the block, whose columns are
+    # the root (last committed token), the n candidate nodes, then the m aux inputs.
+    mask: torch.Tensor
+    depth: tuple[int, ...]  # [m] position offset of each aux input from the root
+
+    def __post_init__(self) -> None:
+        m = len(self.token_ids)
+        if len(self.depth) != m or self.mask.dim() != 2 or self.mask.shape[0] != m:
+            raise ValueError("aux block: token_ids, depth and mask rows must have the same length")
 
 
 @dataclass(frozen=True)
@@ -70,8 +91,11 @@ class Proposal:
     # [n, vocab] distribution each chain token was sampled from. None means the proposer is
     # deterministic (prompt lookup, greedy drafting): rejection sampling then treats it as one-hot.
     draft_probs: Optional[torch.Tensor] = None
+    aux: Optional[AuxBlock] = None  # inputs scored alongside, never accepted
 
     def __post_init__(self) -> None:
+        if self.aux is not None and self.aux.mask.shape[1] != 1 + len(self.token_ids) + len(self.aux.token_ids):
+            raise ValueError("aux mask must have 1 + n + m columns")
         if self.parents is not None:
             if len(self.parents) != len(self.token_ids):
                 raise ValueError("parents must have one entry per node")
@@ -93,6 +117,7 @@ class Verdict:
     num_drafted: int
     num_accepted: int
     emitted: tuple[int, ...]  # accepted draft tokens + the recovered or bonus token (before stop truncation)
+    aux_logits: Optional[torch.Tensor] = None  # [m, vocab] target logits of the proposal's aux inputs
 
 
 @dataclass

@@ -64,7 +64,7 @@ class DraftModelProposer:
         keep = [min(common_prefix_len(c, t), len(t) - 1) for c, t in zip(self.cached_tokens, ctx.token_ids)]
         self.cache.truncate(torch.tensor(keep))
         feeds = [t[n:] for t, n in zip(ctx.token_ids, keep)]
-        logits = self.draft.prefill(self.cache, feeds)  # [batch, vocab]
+        logits = self.draft.prefill(self.cache, feeds).logits  # [batch, vocab]
         self.cached_tokens = [list(t) for t in ctx.token_ids]
         # 2. Draft k_max tokens for every row; rows that asked for fewer get a prefix.
         drafted, probs = [], []
