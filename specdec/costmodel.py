@@ -1,0 +1,159 @@
+"""The arithmetic of speculative decoding, and the one machine measurement it needs.
+
+- `expected_tokens(alpha, k)`: emitted tokens per target forward when each of k drafted tokens
+  is accepted with probability alpha, independently, until the first rejection (Leviathan et al.
+  2023): E = (1 - alpha^(k+1)) / (1 - alpha), bonus token included.
+- `predicted_speedup(alpha, k, c, v)`: E / (k*c + v(k+1)) over plain decoding, where c is the
+  cost of drafting one token relative to one target decode step and v(m) is the cost of a target
+  forward over m new tokens relative to one over a single token (the verify-cost curve).
+- `measure_verify_cost(lm, ks)`: v(k) on this machine, through the same `forward` the engine
+  uses, against a warm cache of `context_len` tokens.
+
+On a GPU at batch 1, v is ~1 for small k; on a CPU it is not (notes.md), which is why proposers
+pick k, tree size or window from the measured curve rather than from a constant.
+
+Limitation: the i.i.d. acceptance model overestimates E when acceptances are correlated
+(they usually are: a draft that is wrong once tends to stay wrong), so treat predictions as an
+upper bound for ranking choices, not a promise.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Iterable, Mapping, Optional, Union
+
+import torch
+
+VerifyCost = Union[Mapping[int, float], Callable[[int], float]]
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected emitted tokens per target forward with k drafted tokens at acceptance rate alpha."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if alpha == 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def verify_cost_at(v: VerifyCost, m: int) -> float:
+    """v(m) from a measured curve (dict) or a function. Between measured points the cost is
+    interpolated linearly; beyond the last point it is extrapolated from the last two."""
+    if callable(v):
+        return float(v(m))
+    if m in v:
+        return float(v[m])
+    keys = sorted(v)
+    if not keys:
+        raise ValueError("empty verify-cost curve")
+    if m < keys[0]:
+        return float(v[keys[0]])
+    lo = max((x for x in keys if x < m), default=keys[0])
+    hi = min((x for x in keys if x > m), default=None)
+    if hi is None:  # extrapolate
+        if len(keys) == 1:
+            return float(v[keys[0]])
+        a, b = keys[-2], keys[-1]
+        return float(v[b] + (v[b] - v[a]) * (m - b) / (b - a))
+    return float(v[lo] + (v[hi] - v[lo]) * (m - lo) / (hi - lo))
+
+
+def predicted_speedup(alpha: float, k: int, c: float, v: VerifyCost) -> float:
+    """Speedup over plain decoding: E(alpha, k) / (k*c + v(k+1)).
+
+    c: draft cost per drafted token / target cost per decode step (0 for prompt lookup,
+    Medusa heads or Lookahead, whose proposals ride in the verification forward);
+    v: the verify-cost curve, v(1) == 1.
+    """
+    if c < 0:
+        raise ValueError(f"c must be >= 0, got {c}")
+    return expected_tokens(alpha, k) / (k * c + verify_cost_at(v, k + 1))
+
+
+def best_k(alpha: float, c: float, v: VerifyCost, ks: Iterable[int] = range(1, 33)) -> int:
+    """The k in ks with the highest predicted speedup (smallest k on ties)."""
+    ks = list(ks)
+    if not ks:
+        raise ValueError("no k to choose from")
+    return max(ks, key=lambda k: (predicted_speedup(alpha, k, c, v), -k))
+
+
+def _timed_forward(lm, cache, ids: torch.Tensor) -> float:
+    """Seconds for one forward over ids [1, k] on top of the cache; the new slots are dropped again."""
+    q = ids.shape[1]
+    t0 = time.perf_counter()
+    out = lm.forward(cache, ids)
+    out.logits.sum().item()  # make sure the work is done (also on asynchronous devices)
+    if cache.valid.device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    cache.keep_last(torch.zeros(1, q, dtype=torch.bool))
+    return dt
+
+
+def measure_forward_times(lm, ks: Iterable[int] = range(1, 65), context_len: int = 256, repeats: int = 5,
+                          warmup: int = 2, seed: int = 0, progress: Optional[Callable[[int, float], None]] = None
+                          ) -> tuple[dict[int, float], float]:
+    """Median seconds of a forward over k new tokens, for every k in ks, and of one over 1 token
+    (timed interleaved with every k so drift hits both alike), each run through `lm.forward`
+    against a warm cache of `context_len` random tokens. Returns ({k: seconds}, seconds for 1)."""
+    ks = sorted(set(int(k) for k in ks))
+    if not ks or ks[0] < 1:
+        raise ValueError("ks must be positive integers")
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    if context_len < 1 or context_len + max(ks) > lm.max_positions:
+        raise ValueError(f"context_len {context_len} + k {max(ks)} must fit in {lm.max_positions} positions")
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, lm.vocab_size, (context_len,), generator=gen).tolist()
+    cache = lm.new_cache(1)
+    lm.prefill(cache, [prompt])
+    one = torch.randint(0, lm.vocab_size, (1, 1), generator=gen)
+    for _ in range(warmup):
+        _timed_forward(lm, cache, one)
+        _timed_forward(lm, cache, torch.randint(0, lm.vocab_size, (1, max(ks)), generator=gen))
+    times: dict[int, float] = {}
+    t1_all: list[float] = []
+    for k in ks:
+        ids = torch.randint(0, lm.vocab_size, (1, k), generator=gen)
+        t1, tk = [], []
+        for _ in range(repeats):
+            t1.append(_timed_forward(lm, cache, one))
+            tk.append(_timed_forward(lm, cache, ids))
+        t1_all += t1
+        times[k] = statistics.median(t1) if k == 1 else statistics.median(tk)
+        if progress is not None:
+            progress(k, times[k] / statistics.median(t1))
+    return times, statistics.median(t1_all)
+
+
+def measure_verify_cost(lm, ks: Iterable[int] = range(1, 65), context_len: int = 256, repeats: int = 5,
+                        warmup: int = 2, seed: int = 0, progress: Optional[Callable[[int, float], None]] = None
+                        ) -> dict[int, float]:
+    """v(k) = median time of a forward over k new tokens / median time of a forward over 1, each
+    run through `lm.forward` against a warm cache of `context_len` tokens (random token ids).
+
+    Each k is normalised by the 1-token forwards timed alongside it, so slow drift cancels.
+    Returns {k: v(k)} for every k in ks (v(1) == 1.0 when 1 is in ks).
+    """
+    curve: dict[int, float] = {}
+
+    def record(k: int, v: float) -> None:
+        curve[k] = 1.0 if k == 1 else v
+        if progress is not None:
+            progress(k, curve[k])
+
+    measure_forward_times(lm, ks, context_len, repeats, warmup, seed, progress=record)
+    return curve
+
+
+def format_curve(curve: Mapping[int, float], base_ms: Optional[float] = None) -> str:
+    """A two-column text table of a verify-cost curve."""
+    lines = ["k    v(k)"]
+    lines += [f"{k:<4d} {curve[k]:.2f}" for k in sorted(curve)]
+    if base_ms is not None:
+        lines.append(f"(1-token forward: {base_ms:.1f} ms)")
+    return "\n".join(lines)

@@ -1,0 +1,72 @@
+"""The speculative-decoding arithmetic and the verify-cost measurement."""
+
+import math
+
+import pytest
+import torch
+
+from specdec import costmodel
+from specdec.costmodel import (best_k, expected_tokens, measure_verify_cost, predicted_speedup, verify_cost_at)
+
+
+def test_expected_tokens_is_one_when_nothing_is_accepted():
+    assert expected_tokens(0.0, 8) == 1.0
+
+
+def test_expected_tokens_is_k_plus_one_when_everything_is_accepted():
+    assert expected_tokens(1.0, 5) == 6.0
+
+
+def test_expected_tokens_matches_the_geometric_sum():
+    alpha, k = 0.7, 4
+    assert math.isclose(expected_tokens(alpha, k), sum(alpha ** i for i in range(k + 1)))
+
+
+def test_expected_tokens_rejects_alpha_outside_unit_interval():
+    with pytest.raises(ValueError, match="alpha"):
+        expected_tokens(1.5, 3)
+
+
+def test_predicted_speedup_with_free_drafts_and_flat_verify_is_expected_tokens():
+    assert math.isclose(predicted_speedup(0.8, 4, 0.0, lambda m: 1.0), expected_tokens(0.8, 4))
+
+
+def test_predicted_speedup_divides_by_draft_and_verify_cost():
+    v = {1: 1.0, 5: 2.0}
+    assert math.isclose(predicted_speedup(0.5, 4, 0.25, v), expected_tokens(0.5, 4) / (4 * 0.25 + 2.0))
+
+
+def test_verify_cost_interpolates_between_measured_points():
+    assert math.isclose(verify_cost_at({1: 1.0, 3: 2.0}, 2), 1.5)
+
+
+def test_verify_cost_extrapolates_past_the_last_point():
+    assert math.isclose(verify_cost_at({1: 1.0, 2: 1.5}, 4), 2.5)
+
+
+def test_best_k_prefers_long_blocks_when_verification_is_flat_and_drafts_are_free():
+    assert best_k(0.9, 0.0, lambda m: 1.0, ks=range(1, 9)) == 8
+
+
+def test_best_k_shrinks_when_verification_cost_grows_with_k():
+    assert best_k(0.5, 0.0, lambda m: float(m), ks=range(1, 9)) == 1
+
+
+def test_measure_verify_cost_returns_one_at_k1_and_a_positive_ratio_per_k(tiny_target):
+    curve = measure_verify_cost(tiny_target, ks=[1, 2, 8], context_len=16, repeats=2, warmup=1)
+    assert sorted(curve) == [1, 2, 8]
+    assert curve[1] == 1.0
+    assert all(v > 0 for v in curve.values())
+
+
+def test_measure_verify_cost_leaves_no_slots_behind(tiny_target):
+    # The measurement rolls back every timed forward; a leak would show as a growing context.
+    cache = tiny_target.new_cache(1)
+    tiny_target.prefill(cache, [[3, 4, 5]])
+    costmodel._timed_forward(tiny_target, cache, torch.tensor([[6, 7, 8, 9]]))
+    assert cache.num_slots == 3 and int(cache.lengths[0]) == 3
+
+
+def test_measure_verify_cost_rejects_a_context_longer_than_the_model(tiny_target):
+    with pytest.raises(ValueError, match="positions"):
+        measure_verify_cost(tiny_target, ks=[1, 64], context_len=tiny_target.max_positions)
