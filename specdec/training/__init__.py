@@ -1,0 +1,1 @@
+"""Training: self-distilled data, draft distillation, Medusa heads."""
