@@ -47,6 +47,27 @@ class CausalLM:
     def new_cache(self, batch_size: int) -> KVCache:
         return KVCache(batch_size, self.device, config=self.config)
 
+    def _attention_inputs(self, cache: KVCache, input_ids: torch.Tensor, block_mask: Optional[torch.Tensor],
+                          depth: Optional[torch.Tensor], input_valid: Optional[torch.Tensor]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (additive mask [batch, 1, q, slots + q], position ids [batch, q]) for `forward`."""
+        batch, q = input_ids.shape
+        dev = self.device
+        if block_mask is None:
+            block_mask = torch.ones(q, q, dtype=torch.bool, device=dev).tril().expand(batch, q, q)
+        if depth is None:
+            depth = torch.arange(q, device=dev).expand(batch, q)
+        if input_valid is None:
+            input_valid = torch.ones(batch, q, dtype=torch.bool, device=dev)
+        eye = torch.eye(q, dtype=torch.bool, device=dev)
+        new = (block_mask.to(dev) & input_valid.to(dev)[:, None, :]) | eye  # [batch, q, q]; padding sees itself only
+        past = cache.valid[:, None, :].expand(batch, q, cache.num_slots)  # [batch, q, slots]
+        allowed = torch.cat([past, new], dim=2)  # [batch, q, slots + q]
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=dev)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        positions = cache.lengths[:, None].to(dev) + depth.to(dev)  # [batch, q]
+        return mask[:, None], positions
+
     @torch.inference_mode()
     def forward(
         self,
@@ -67,34 +88,21 @@ class CausalLM:
         block columns whose logits are computed (None: all).
         The new slots stay valid (where input_valid) until the caller's `cache.keep_last`.
         """
-        batch, q = input_ids.shape
+        mask, positions = self._attention_inputs(cache, input_ids, block_mask, depth, input_valid)
         dev = self.device
-        if block_mask is None:
-            block_mask = torch.ones(q, q, dtype=torch.bool, device=dev).tril().expand(batch, q, q)
-        if depth is None:
-            depth = torch.arange(q, device=dev).expand(batch, q)
-        if input_valid is None:
-            input_valid = torch.ones(batch, q, dtype=torch.bool, device=dev)
-        eye = torch.eye(q, dtype=torch.bool, device=dev)
-        new = (block_mask.to(dev) & input_valid[:, None, :]) | eye  # [batch, q, q]; padding attends to itself only
-        past = cache.valid[:, None, :].expand(batch, q, cache.num_slots)  # [batch, q, slots]
-        allowed = torch.cat([past, new], dim=2)  # [batch, q, slots + q]
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=dev)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        positions = cache.lengths[:, None].to(dev) + depth.to(dev)  # [batch, q]
         kwargs = {}
         if logits_at is not None:
             kwargs["logits_to_keep"] = logits_at.to(dev)
         out = self.model(
             input_ids=input_ids.to(dev),
-            attention_mask=mask[:, None],  # [batch, 1, q, slots + q]
+            attention_mask=mask,
             position_ids=positions,
             cache=cache.hf,
             use_cache=True,
             output_hidden_states=want_hidden,
             **kwargs,
         )
-        cache.appended(input_valid)
+        cache.appended(input_valid if input_valid is not None else torch.ones_like(input_ids, dtype=torch.bool))
         hidden = out.hidden_states[-1] if want_hidden else None
         return ForwardOutput(logits=out.logits, hidden=hidden)
 
