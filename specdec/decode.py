@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from specdec.acceptance import greedy_accept, rejection_sample
+from specdec.acceptance import greedy_accept, rejection_sample, tree_rejection_sample, typical_accept
 from specdec.errors import InvalidRequest
 from specdec.lm import CausalLM
 from specdec.proposers.base import Proposer
@@ -137,11 +137,15 @@ def _accept(proposal: Proposal, logits: torch.Tensor, sampling: SamplingParams,
             accepted, nxt = greedy_accept(torch.tensor(proposal.token_ids, dtype=torch.long), logits)
             return list(range(accepted)), nxt
         return greedy_walk(proposal.token_ids, proposal.parents, logits.argmax(-1).tolist())
-    if not proposal.is_chain:
-        raise InvalidRequest("sampling along a tree proposal is not supported; use greedy or a chain proposer")
     if n == 0:
         return [], next_token(logits[0], sampling, gen)
     target_probs = logits_to_probs(logits, sampling)  # [n + 1, vocab]
+    parents = proposal.parents if proposal.parents is not None else chain_parents(n)
+    if sampling.typical is not None:  # lossy, opt-in
+        t = sampling.typical
+        return typical_accept(proposal.token_ids, parents, target_probs, gen, t.posterior_threshold, t.posterior_alpha)
+    if not proposal.is_chain:  # trees are deterministic drafts (Proposal forbids draft_probs on them)
+        return tree_rejection_sample(proposal.token_ids, proposal.parents, target_probs, gen)
     accepted, nxt = rejection_sample(torch.tensor(proposal.token_ids, dtype=torch.long), proposal.draft_probs,
                                      target_probs, gen)
     return list(range(accepted)), nxt

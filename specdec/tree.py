@@ -7,6 +7,7 @@ node index among the drafted nodes, -1 for the root. A chain is parents = (-1, 0
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -58,3 +59,110 @@ def greedy_walk(
             return path, want
         path.append(nxt)
         node = nxt
+
+
+# --- Medusa-style trees: a list of paths compiled once into index buffers ---------------------
+#
+# A path (r0, r1, ..., rd) names the node reached by taking candidate r0 (0 = best) of head 0,
+# then candidate r1 of head 1, and so on: Medusa's `medusa_choices`. Every proper prefix of a
+# path must be in the list too, so the paths form a tree under the root.
+
+
+@dataclass(frozen=True)
+class CompiledTree:
+    paths: tuple[tuple[int, ...], ...]  # [n] node i's path, sorted by (depth, path)
+    parents: tuple[int, ...]  # [n] parent node index, -1 for the root (the Proposal's `parents`)
+    head: tuple[int, ...]  # [n] which head drafts node i (= its depth - 1)
+    rank: tuple[int, ...]  # [n] which of that head's top candidates node i takes
+    mask: torch.Tensor  # [n + 1, n + 1] bool block attention mask (block index 0 is the root)
+    depth: torch.Tensor  # [n + 1] long position offsets from the root
+    retrieve: torch.Tensor  # [leaves, max_depth + 1] long block indices root..leaf per leaf, -1 padded
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths)
+
+    @property
+    def max_depth(self) -> int:
+        return max((len(p) for p in self.paths), default=0)
+
+    def top_needed(self) -> int:
+        """How many top candidates per head the tree reads (the largest rank + 1)."""
+        return max(self.rank, default=-1) + 1
+
+    def pruned(self, max_depth: int) -> "CompiledTree":
+        """The same tree without the nodes deeper than max_depth."""
+        if max_depth >= self.max_depth:
+            return self
+        return compile_tree([p for p in self.paths if len(p) <= max_depth])
+
+
+def compile_tree(paths: Sequence[Sequence[int]]) -> CompiledTree:
+    """Paths (any order) -> CompiledTree. Raises ValueError on an empty path, a negative rank,
+    a duplicate, or a path whose parent path is missing."""
+    norm = [tuple(int(r) for r in p) for p in paths]
+    for p in norm:
+        if not p or any(r < 0 for r in p):
+            raise ValueError(f"tree path {list(p)} must be a non-empty list of ranks >= 0")
+    if len(set(norm)) != len(norm):
+        raise ValueError("tree paths contain a duplicate")
+    ordered = sorted(norm, key=lambda p: (len(p), p))
+    index = {p: i for i, p in enumerate(ordered)}
+    parents = []
+    for p in ordered:
+        if len(p) > 1 and p[:-1] not in index:
+            raise ValueError(f"tree path {list(p)} has no parent path {list(p[:-1])}")
+        parents.append(index[p[:-1]] if len(p) > 1 else -1)
+    has_child = {q for q in parents if q >= 0}
+    max_d = max((len(p) for p in ordered), default=0)
+    rows = []
+    for i in range(len(ordered)):
+        if i in has_child:
+            continue
+        chain, node = [], i
+        while node >= 0:
+            chain.append(node + 1)
+            node = parents[node]
+        chain = [0] + chain[::-1]
+        rows.append(chain + [-1] * (max_d + 1 - len(chain)))
+    retrieve = torch.tensor(rows, dtype=torch.long).reshape(len(rows), max_d + 1)
+    return CompiledTree(paths=tuple(ordered), parents=tuple(parents), head=tuple(len(p) - 1 for p in ordered),
+                        rank=tuple(p[-1] for p in ordered), mask=block_mask(parents), depth=depths(parents),
+                        retrieve=retrieve)
+
+
+def chain_tree(length: int) -> list[tuple[int, ...]]:
+    """The top-1 chain: [(0,), (0, 0), ...]."""
+    return [(0,) * d for d in range(1, length + 1)]
+
+
+def expected_accept_length(paths: Sequence[Sequence[int]], accuracy: Sequence[Sequence[float]]) -> float:
+    """Expected accepted tokens per step if head i's rank-r candidate is right with probability
+    accuracy[i][r], independently (Medusa's tree-construction model): the sum, over nodes, of the
+    product of the accuracies along the node's path."""
+    total = 0.0
+    for p in paths:
+        prob = 1.0
+        for depth, r in enumerate(p):
+            prob *= accuracy[depth][r] if depth < len(accuracy) and r < len(accuracy[depth]) else 0.0
+        total += prob
+    return total
+
+
+def greedy_tree(accuracy: Sequence[Sequence[float]], size: int) -> list[tuple[int, ...]]:
+    """The size-node tree maximizing expected_accept_length, built greedily: add the frontier
+    node whose path is most likely accepted (each node's value is at most its parent's, so
+    the greedy choice is optimal for this model). accuracy[i][r]: head i, rank r."""
+    import heapq
+
+    heap = [(-accuracy[0][r], (r,)) for r in range(len(accuracy[0]))] if accuracy else []
+    heapq.heapify(heap)
+    out: list[tuple[int, ...]] = []
+    while heap and len(out) < size:
+        neg, path = heapq.heappop(heap)
+        out.append(path)
+        d = len(path)
+        if d < len(accuracy):
+            for r in range(len(accuracy[d])):
+                heapq.heappush(heap, (neg * accuracy[d][r], path + (r,)))
+    return out

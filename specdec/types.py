@@ -17,11 +17,29 @@ from specdec.errors import InvalidRequest
 
 
 @dataclass(frozen=True)
+class TypicalAcceptance:
+    """Medusa's typical acceptance: LOSSY, opt-in. A drafted token x is kept when the target gives
+    it P(x) > min(posterior_threshold, posterior_alpha * exp(-entropy(P)))."""
+
+    posterior_threshold: float = 0.09  # Medusa's default epsilon
+    posterior_alpha: float = 0.3  # Medusa's default delta (~ sqrt of epsilon)
+
+    def __post_init__(self) -> None:
+        if not (0.0 < self.posterior_threshold <= 1.0):
+            raise InvalidRequest(f"posterior_threshold must be in (0, 1], got {self.posterior_threshold}")
+        if not (0.0 < self.posterior_alpha < 1.0):
+            raise InvalidRequest(f"posterior_alpha must be in (0, 1), got {self.posterior_alpha}")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 means greedy (argmax); greedy is the lossless default
     top_k: int = 0  # 0 disables top-k filtering
     top_p: float = 1.0  # 1.0 disables nucleus filtering
     seed: Optional[int] = None  # None: fresh randomness; an int makes sampling reproducible
+    # None: lossless acceptance (the default). Set: typical acceptance when sampling (lossy);
+    # greedy decoding ignores it and stays exact.
+    typical: Optional[TypicalAcceptance] = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):  # also rejects NaN

@@ -1,0 +1,61 @@
+"""Medusa-style trees as data: a list of paths compiled into parents, mask, depths and retrieve
+indices, plus the greedy tree builder and its acceptance model."""
+
+import pytest
+import torch
+
+from specdec.tree import chain_tree, compile_tree, expected_accept_length, greedy_tree
+
+
+def test_three_node_tree_compiles_by_hand():
+    # Given out of order: head0 top-1, head0 top-2, and head1 top-1 under head0 top-1.
+    tree = compile_tree([[1], [0, 0], [0]])
+    assert tree.paths == ((0,), (1,), (0, 0))
+    assert tree.parents == (-1, -1, 0)
+    assert tree.head == (0, 0, 1)
+    assert tree.rank == (0, 1, 0)
+    want_mask = torch.tensor([
+        [1, 0, 0, 0],  # root
+        [1, 1, 0, 0],  # (0,)
+        [1, 0, 1, 0],  # (1,)
+        [1, 1, 0, 1],  # (0, 0): root, (0,), itself
+    ], dtype=torch.bool)
+    assert torch.equal(tree.mask, want_mask)
+    assert tree.depth.tolist() == [0, 1, 1, 2]
+    # Leaves in node order: (1,) then (0, 0); block indices root..leaf, -1 padded.
+    assert tree.retrieve.tolist() == [[0, 2, -1], [0, 1, 3]]
+    assert tree.top_needed() == 2 and tree.max_depth == 2
+
+
+def test_chain_tree_is_a_chain():
+    tree = compile_tree(chain_tree(3))
+    assert tree.parents == (-1, 0, 1)
+    assert torch.equal(tree.mask, torch.ones(4, 4, dtype=torch.bool).tril())
+    assert tree.retrieve.tolist() == [[0, 1, 2, 3]]
+
+
+def test_pruning_drops_deeper_nodes_only():
+    tree = compile_tree([[0], [1], [0, 0], [0, 0, 0]])
+    assert tree.pruned(1).paths == ((0,), (1,))
+    assert tree.pruned(5) is tree
+
+
+@pytest.mark.parametrize("paths, msg", [([[0, 0]], "no parent"), ([[0], [0]], "duplicate"),
+                                        ([[]], "non-empty"), ([[-1]], "ranks >= 0")])
+def test_malformed_paths_are_refused(paths, msg):
+    with pytest.raises(ValueError, match=msg):
+        compile_tree(paths)
+
+
+def test_expected_accept_length_multiplies_along_paths():
+    acc = [[0.5, 0.2], [0.4]]
+    assert expected_accept_length([(0,), (1,), (0, 0)], acc) == pytest.approx(0.5 + 0.2 + 0.5 * 0.4)
+
+
+def test_greedy_tree_takes_the_most_likely_nodes_first():
+    acc = [[0.6, 0.2, 0.1], [0.4, 0.2], [0.3]]
+    # values: (0,) .6, (0,0) .24, (1,) .2, (0,1) .12, (2,) .1, (1,0) .08, (0,0,0) .072
+    assert greedy_tree(acc, 6) == [(0,), (0, 0), (1,), (0, 1), (2,), (1, 0)]
+    tree = greedy_tree(acc, 7)
+    assert (0, 0, 0) in tree
+    compile_tree(tree)  # every greedy tree is a valid tree
