@@ -32,6 +32,15 @@ def part_path(out_dir: Path, start: int) -> Path:
     return out_dir / f"part-{start:05d}.jsonl.gz"
 
 
+def write_part(out_dir: Path, start: int, rows: list[dict]) -> None:
+    """Write one part atomically: a crash never leaves a truncated part behind."""
+    tmp = part_path(out_dir, start).with_suffix(".tmp")
+    with gzip.open(tmp, "wt") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, part_path(out_dir, start))
+
+
 def read_parts(out_dir: Path) -> Iterator[dict]:
     for path in sorted(Path(out_dir).glob("part-*.jsonl.gz")):
         with gzip.open(path, "rt") as f:
@@ -57,12 +66,9 @@ def generate(out_dir: Path, target: LoadedModel, *, seed: int = 0, count: int = 
         tb = time.monotonic()
         results = plain_generate(target.lm, ids, sampling=sampling, stop=stop)
         tokens = sum(len(r.token_ids) for r in results)
-        tmp = part_path(out_dir, start).with_suffix(".tmp")
-        with gzip.open(tmp, "wt") as f:
-            for i, (p, pid, r) in enumerate(zip(batch, ids, results)):
-                f.write(json.dumps({"index": start + i, "category": p.category, "sampled": sampled,
-                                    "prompt_ids": pid, "answer_ids": list(r.token_ids)}) + "\n")
-        os.replace(tmp, part_path(out_dir, start))
+        write_part(out_dir, start, [{"index": start + i, "category": p.category, "sampled": sampled,
+                                     "prompt_ids": pid, "answer_ids": list(r.token_ids)}
+                                    for i, (p, pid, r) in enumerate(zip(batch, ids, results))])
         written += 1
         print(f"part {start:05d} ({n + 1}/{len(starts)}): {tokens} tokens, "
               f"{tokens / (time.monotonic() - tb):.1f} tok/s, {time.monotonic() - t0:.0f} s elapsed", flush=True)

@@ -1,0 +1,135 @@
+"""Drafts made by specdec for a target: a few decoder layers that share the target's embeddings,
+with an output layer restricted to a frequent-token subset of the vocabulary (FR-Spec style).
+
+A draft directory holds:
+- config.json            the draft's decoder config (a transformers config, few layers)
+- draft.safetensors      decoder layers + final norm (no embeddings: they are the target's)
+- draft_vocab.json       {"target": name, "vocab_size": V, "token_ids": [...subset...], ...recipe}
+
+Loading attaches the target's (frozen) embedding matrix, so the draft costs a few MB on disk.
+The subset head scores only |subset| rows of the target's output layer; tokens outside the
+subset get logit -inf (probability 0), which rejection sampling handles exactly: the draft
+simply never proposes them.
+
+Limitation: decoders whose base model exposes `layers` and `norm` (Llama family); the
+layers are transformers' own, built from the config.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdec.errors import IncompatibleModels, ModelLoadError
+from specdec.kv_cache import KVCache
+from specdec.lm import CausalLM, ForwardOutput
+
+SHIPPED_DRAFTS = Path(__file__).parent / "assets" / "drafts"
+
+
+class SubsetHeadLM(CausalLM):
+    """A CausalLM whose output layer scores only `token_ids` (rows of the target's output layer)."""
+
+    def __init__(self, model: torch.nn.Module, token_ids: torch.Tensor, name: str = "draft"):
+        super().__init__(model, name=name)
+        self.token_ids = token_ids.long()  # [subset]
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self._head = model.get_output_embeddings().weight[self.token_ids].detach().clone()  # [subset, hidden]
+
+    @torch.inference_mode()
+    def forward(self, cache: KVCache, input_ids, block_mask=None, depth=None, input_valid=None, logits_at=None,
+                want_hidden: bool = False) -> ForwardOutput:
+        mask, positions = self._attention_inputs(cache, input_ids, block_mask, depth, input_valid)
+        out = self.model.get_decoder()(input_ids=input_ids.to(self.device), attention_mask=mask,
+                                       position_ids=positions, cache=cache.hf, use_cache=True)
+        cache.appended(input_valid if input_valid is not None else torch.ones_like(input_ids, dtype=torch.bool))
+        hidden = out.last_hidden_state  # [batch, q, hidden]
+        h = hidden if logits_at is None else hidden[:, logits_at.to(hidden.device)]
+        sub = h @ self._head.T  # [batch, q', subset]
+        logits = torch.full((*sub.shape[:2], self.vocab_size), float("-inf"), dtype=sub.dtype, device=sub.device)
+        logits[..., self.token_ids] = sub
+        return ForwardOutput(logits=logits, hidden=hidden if want_hidden else None)
+
+
+def build_from_target(target: CausalLM, layer_ids: list[int]) -> torch.nn.Module:
+    """A fresh transformers causal LM with the target's embeddings and final norm, and copies of
+    the chosen target decoder layers (in order)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = len(layer_ids)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in layer_ids]
+    model = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
+    src = target.model.get_decoder()
+    dst = model.get_decoder()
+    with torch.no_grad():
+        dst.norm.load_state_dict(src.norm.state_dict())
+        for new, old in enumerate(layer_ids):
+            dst.layers[new].load_state_dict(src.layers[old].state_dict())
+    attach_target_embeddings(model, target)
+    return model.eval()
+
+
+def attach_target_embeddings(model: torch.nn.Module, target: CausalLM) -> None:
+    """Copy the target's input embeddings and output layer into the draft (both stay frozen)."""
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(target.model.get_input_embeddings().weight)
+        if not getattr(model.config, "tie_word_embeddings", False):
+            model.get_output_embeddings().weight.copy_(target.model.get_output_embeddings().weight)
+    model.tie_weights()
+
+
+def _own_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Everything but the embeddings / tied output layer (those are the target's)."""
+    return {k: v.detach().contiguous() for k, v in model.state_dict().items()
+            if "embed_tokens" not in k and not k.startswith("lm_head")}
+
+
+def save_draft(out: Path, model: torch.nn.Module, token_ids: torch.Tensor, meta: dict,
+               dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write a draft directory atomically-enough (each file replaced whole)."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.to_json_file(str(out / "config.json"))
+    save_file({k: v.to(dtype) for k, v in _own_state(model).items()}, str(out / "draft.safetensors"))
+    info = dict(meta, vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+                token_ids=[int(t) for t in token_ids.tolist()])
+    (out / "draft_vocab.json").write_text(json.dumps(info))
+
+
+def is_draft_dir(path: Path) -> bool:
+    return (Path(path) / "draft_vocab.json").is_file() and (Path(path) / "draft.safetensors").is_file()
+
+
+def load_draft(path: Path, target: CausalLM, target_name: Optional[str] = None) -> SubsetHeadLM:
+    """Load a specdec draft directory onto `target`'s embeddings."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    if not is_draft_dir(path):
+        raise ModelLoadError(f"{path} is not a specdec draft directory (draft_vocab.json + draft.safetensors)")
+    info = json.loads((path / "draft_vocab.json").read_text())
+    if info["vocab_size"] != target.vocab_size:
+        raise IncompatibleModels(f"draft {path} was made for a {info['vocab_size']}-token vocabulary, "
+                                 f"the target has {target.vocab_size}")
+    if target_name and info.get("target") and info["target"] != target_name:
+        raise IncompatibleModels(f"draft {path} was trained for target {info['target']!r}, not {target_name!r}")
+    config = AutoConfig.from_pretrained(path)
+    model = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
+    state = {k: v.to(target.dtype) for k, v in load_file(str(path / "draft.safetensors")).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or any("embed_tokens" not in k and not k.startswith("lm_head") for k in missing):
+        raise ModelLoadError(f"draft {path}: weights do not match its config (missing {missing}, unexpected {unexpected})")
+    attach_target_embeddings(model, target)
+    return SubsetHeadLM(model.eval(), torch.tensor(info["token_ids"]), name=path.name)
+
+
+def shipped_draft_path(target_name: str) -> Optional[Path]:
+    path = SHIPPED_DRAFTS / target_name
+    return path if is_draft_dir(path) else None

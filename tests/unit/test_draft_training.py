@@ -1,0 +1,57 @@
+"""Draft distillation on a tiny target: it learns, checkpoints, resumes, and the draft it writes
+loads onto the target and keeps speculative decoding lossless."""
+
+import random
+
+import pytest
+
+from specdec.decode import plain_generate, speculative_generate
+from specdec.drafts import is_draft_dir, load_draft
+from specdec.errors import IncompatibleModels
+from specdec.models import tiny_llama
+from specdec.proposers import DraftModelProposer
+from specdec.training.draft import DraftRecipe, train_draft
+from specdec.training.selfdistill import write_part
+from specdec.types import SamplingParams, StopConditions
+from tests.conftest import assert_greedy_equal
+
+RECIPE = DraftRecipe(layers=(0,), vocab=48, topk=8, lr=3e-3, warmup_steps=2, tokens_per_step=256, heldout_every=5)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, tiny_target):
+    out = tmp_path_factory.mktemp("selfdistill")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(2, 96) for _ in range(rng.randrange(3, 9))] for _ in range(40)]
+    results = plain_generate(tiny_target, prompts, sampling=SamplingParams(temperature=1.0, seed=3),
+                             stop=StopConditions(max_new_tokens=24))
+    rows = [{"index": i, "category": "synthetic", "sampled": True, "prompt_ids": p, "answer_ids": list(r.token_ids)}
+            for i, (p, r) in enumerate(zip(prompts, results))]
+    write_part(out, 0, rows[:20])
+    write_part(out, 20, rows[20:])
+    return out
+
+
+def test_training_improves_agreement_and_resumes(tiny_target, data_dir, tmp_path):
+    out, work = tmp_path / "draft", tmp_path / "work"
+    first = train_draft(tiny_target, [data_dir], out, work, recipe=RECIPE, max_steps=1, target_name="tiny")
+    assert is_draft_dir(out)
+    second = train_draft(tiny_target, [data_dir], out, work, recipe=RECIPE, max_steps=40, resume=True,
+                         target_name="tiny")
+    assert second.step == 40 and second.tokens_seen > first.tokens_seen  # continued, not restarted
+    assert second.history[-1][2] < 0.95 * first.history[-1][2]  # held-out distillation loss fell
+
+
+def test_trained_draft_is_lossless_and_refuses_other_targets(tiny_target, data_dir, tmp_path):
+    out = tmp_path / "draft"
+    train_draft(tiny_target, [data_dir], out, tmp_path / "work", recipe=RECIPE, max_steps=5, target_name="tiny")
+    draft = load_draft(out, tiny_target, target_name="tiny")
+    prompts = [[5, 17, 33, 2], [9, 9, 40, 41, 42]]
+    stop = StopConditions(max_new_tokens=20)
+    got = speculative_generate(tiny_target, DraftModelProposer(draft), prompts, stop=stop, k=3)
+    for p, g in zip(prompts, got):
+        assert_greedy_equal(tiny_target, p, g.token_ids, plain_generate(tiny_target, [p], stop=stop)[0].token_ids)
+    with pytest.raises(IncompatibleModels, match="trained for target 'tiny'"):
+        load_draft(out, tiny_target, target_name="another")
+    with pytest.raises(IncompatibleModels, match="vocabulary"):
+        load_draft(out, tiny_llama(seed=0, vocab_size=50))
