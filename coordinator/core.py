@@ -1,0 +1,294 @@
+"""The coordinator without the wire: requests -> sessions (Redis) -> runs; streams and resumes.
+
+A run belongs to the coordinator process that started it; a client that reconnects with the
+session id (and how many tokens it already has) is attached to the live run, or, when no run
+is live here (the client was cancelled, or this coordinator restarted), the session continues
+from its committed tokens in Redis. A client that goes away stops the work: when the last
+consumer of a run leaves before it finished, the run is cancelled and the session paused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional, Sequence
+
+from specdec.errors import InvalidRequest
+from specdec.rpc.clients import DraftClient, ModelInfo, TargetClient
+from specdec.rpc.convert import check_session_id, check_token_ids
+from specdec.rpc.metrics import ServiceMetrics
+from specdec.rpc.serving import NotFound, Overloaded, Unavailable
+from specdec.stopping import StopChecker, cut_at_stop_string
+from specdec.types import SamplingParams, StopConditions
+from coordinator.routing import ReplicaPool
+from coordinator.run import DRAFT_METHODS, RunStats, SessionRun
+from coordinator.sessions import SessionRecord, SessionStore
+
+log = logging.getLogger("coordinator")
+DRAFT_HEALTH = "specdec.rpc.v1.DraftService"
+TARGET_HEALTH = "specdec.rpc.v1.TargetService"
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    session_ttl_s: int = 3600
+    default_max_tokens: int = 128
+    default_k: int = 4
+    max_k: int = 16
+    pipeline: bool = False  # draft block i+1 while block i is verified (see bench/services.py)
+    fallback_chunk: int = 8  # tokens per target-side Decode while the draft is out (then drafting is retried)
+    decode_chunk: int = 8  # tokens per Decode for target-side methods (also the streaming granularity)
+    propose_deadline_s: float = 5.0  # a Propose slower than this opens the draft's breaker
+    draft_cooldown_s: float = 1.0  # a failed draft replica stays out at least this long
+    probe_interval_s: float = 0.5  # health checks of every replica
+    target_wait_s: float = 30.0  # how long a session waits for a live target replica
+    max_active: int = 256  # concurrent runs; more are refused (RESOURCE_EXHAUSTED)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: Optional[str] = None
+    token_ids: Optional[Sequence[int]] = None
+    chat: Optional[Sequence[tuple[str, str]]] = None
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: Prompt
+    sampling: SamplingParams = SamplingParams()
+    max_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    method: str = ""
+    k: int = 0
+    session_id: str = ""
+    resume_from: int = 0
+
+
+@dataclass(frozen=True)
+class Update:
+    """What a stream sends: tokens from `offset` on, a text delta, and the end."""
+
+    offset: int
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str = ""
+    stats: Optional[RunStats] = None
+
+
+class Coordinator:
+    def __init__(self, store: SessionStore, draft_pool: ReplicaPool, target_pool: ReplicaPool,
+                 settings: CoordinatorSettings = CoordinatorSettings(), metrics: Optional[ServiceMetrics] = None):
+        self.store = store
+        self.draft_pool = draft_pool
+        self.target_pool = target_pool
+        self.settings = settings
+        self.metrics = metrics or ServiceMetrics("coordinator")
+        self.runs: dict[str, SessionRun] = {}
+        self._info: Optional[ModelInfo] = None
+        self._tokenizer = None
+        self._tokenizer_dir: Optional[tempfile.TemporaryDirectory] = None
+        self._info_lock = asyncio.Lock()
+
+    @staticmethod
+    def pools(draft_addresses: Sequence[str], target_addresses: Sequence[str], settings: CoordinatorSettings,
+              ) -> tuple[ReplicaPool, ReplicaPool]:
+        draft = ReplicaPool("draft", DraftClient, DRAFT_HEALTH, settings.draft_cooldown_s, settings.probe_interval_s)
+        target = ReplicaPool("target", TargetClient, TARGET_HEALTH, settings.draft_cooldown_s,
+                             settings.probe_interval_s)
+        draft.set_addresses(draft_addresses)
+        target.set_addresses(target_addresses)
+        return draft, target
+
+    def start(self) -> None:
+        self.draft_pool.start()
+        self.target_pool.start()
+
+    # --- the target's model facts, fetched once ---------------------------------------------
+    async def info(self) -> ModelInfo:
+        if self._info is not None:
+            return self._info
+        async with self._info_lock:
+            if self._info is None:
+                if not await self.target_pool.wait_for_live(self.settings.target_wait_s):
+                    raise Unavailable("no target replica is available")
+                rep = self.target_pool.pick("info")
+                self._info = await rep.client.info()
+                self._tokenizer = self._load_tokenizer(self._info.tokenizer_files)
+        return self._info
+
+    @property
+    def vocab_size(self) -> int:
+        return self._info.vocab_size if self._info else 0
+
+    def _load_tokenizer(self, files: dict[str, bytes]):
+        if "tokenizer.json" not in files and "tokenizer_config.json" not in files:
+            return None
+        from transformers import AutoTokenizer
+
+        self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="specdec-tokenizer-")
+        for name, data in files.items():
+            with open(os.path.join(self._tokenizer_dir.name, os.path.basename(name)), "wb") as fh:
+                fh.write(data)
+        return AutoTokenizer.from_pretrained(self._tokenizer_dir.name)
+
+    def _need_tokenizer(self):
+        if self._tokenizer is None:
+            raise InvalidRequest("the target serves no tokenizer: send token ids")
+        return self._tokenizer
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        if self._tokenizer is None:
+            return ""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        given = [x is not None for x in (prompt.text, prompt.token_ids, prompt.chat)]
+        if sum(given) != 1:
+            raise InvalidRequest("give exactly one prompt: text, token_ids or chat messages")
+        if prompt.token_ids is not None:
+            if not prompt.token_ids:
+                raise InvalidRequest("the prompt is empty")
+            return check_token_ids(prompt.token_ids, self.vocab_size, "prompt token ids")
+        if prompt.text is not None:
+            if not prompt.text.strip():
+                raise InvalidRequest("the prompt is empty")
+            return list(self._need_tokenizer()(prompt.text, add_special_tokens=True)["input_ids"])
+        if not prompt.chat or not any(c.strip() for _, c in prompt.chat):
+            raise InvalidRequest("the prompt is empty")
+        tok = self._need_tokenizer()
+        for role, _ in prompt.chat:
+            if role not in ("system", "user", "assistant"):
+                raise InvalidRequest(f"chat role must be system, user or assistant, got {role[:20]!r}")
+        ids = tok.apply_chat_template([{"role": r, "content": c} for r, c in prompt.chat],
+                                      add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # --- requests -------------------------------------------------------------------------
+    def _methods(self, info: ModelInfo) -> tuple[str, ...]:
+        return ("auto", "draft", "target", *info.methods)
+
+    async def _new_record(self, req: Request, session_id: str) -> SessionRecord:
+        info = await self.info()
+        ids = self.encode(req.prompt)
+        max_tokens = req.max_tokens or self.settings.default_max_tokens
+        if max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")
+        if len(ids) + max_tokens + 1 > info.max_positions:
+            raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                                 f"context of {info.max_positions} tokens")
+        k = req.k or self.settings.default_k
+        max_k = min(self.settings.max_k, info.max_k or self.settings.max_k)
+        if not 1 <= k <= max_k:
+            raise InvalidRequest(f"k must be in [1, {max_k}], got {k}")
+        method = req.method or "auto"
+        if method not in self._methods(info):
+            raise InvalidRequest(f"unknown method {method!r}; choose one of {', '.join(self._methods(info))}")
+        if req.stop and self._tokenizer is None:
+            raise InvalidRequest("stop strings need the target's tokenizer")
+        StopConditions(max_new_tokens=max_tokens, stop_strings=tuple(req.stop))  # validates
+        s = req.sampling
+        params = dict(sampling=dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed),
+                      max_tokens=max_tokens, stop=list(req.stop), eos=list(info.eos_token_ids), method=method, k=k)
+        return SessionRecord(session_id=session_id, prompt_len=len(ids), tokens=ids, params=params)
+
+    def _run_for(self, rec: SessionRecord) -> SessionRun:
+        p = rec.params
+        stop = StopConditions(max_new_tokens=p["max_tokens"], eos_token_ids=tuple(p["eos"]),
+                              stop_strings=tuple(p["stop"]))
+        checker = StopChecker(stop, self.detokenize if stop.stop_strings else None)
+        checker.push(rec.generated)  # a resumed session continues where it stopped
+        stats = RunStats(**{k: v for k, v in rec.stats.items() if k in RunStats.__dataclass_fields__})
+        return SessionRun(self, rec, SamplingParams(**p["sampling"]), stop, p["method"], p["k"], checker, stats)
+
+    async def open(self, req: Request) -> tuple[SessionRun, int]:
+        """-> (the session's run, the generated-token offset the client starts from)."""
+        if req.resume_from < 0:
+            raise InvalidRequest(f"resume_from must be >= 0, got {req.resume_from}")
+        session_id = check_session_id(req.session_id) if req.session_id else uuid.uuid4().hex
+        await self.info()
+        run = self.runs.get(session_id)
+        if run is None:
+            try:
+                rec = await self.store.load(session_id)
+            except NotFound:
+                if req.resume_from or req.prompt == Prompt():  # resuming, or nothing to start from
+                    raise
+                rec = await self._new_record(req, session_id)
+                if not await self.store.create(rec):  # lost a race with a concurrent create
+                    rec = await self.store.load(session_id)
+            run = self.runs.get(session_id)
+            if run is None:
+                run = self._run_for(rec)
+                if not run.finished and rec.status != "done":
+                    if sum(not r.finished for r in self.runs.values()) >= self.settings.max_active:
+                        raise Overloaded(f"{self.settings.max_active} generations running: try again later")
+                    self.runs[session_id] = run
+                    self.metrics.sessions.set(len(self.runs))
+                    run.start()
+        if req.resume_from > len(run.generated):
+            raise InvalidRequest(f"resume_from {req.resume_from} is beyond the {len(run.generated)} tokens generated")
+        return run, req.resume_from
+
+    def run_ended(self, run: SessionRun) -> None:
+        if self.runs.get(run.session_id) is run:
+            del self.runs[run.session_id]
+        self.metrics.sessions.set(len(self.runs))
+
+    def text(self, run: SessionRun, upto: Optional[int] = None) -> str:
+        ids = run.generated if upto is None else run.generated[:upto]
+        return cut_at_stop_string(self.detokenize(ids), run.stop.stop_strings)
+
+    async def follow(self, run: SessionRun, offset: int) -> AsyncIterator[Update]:
+        """A session's updates from the client's offset until it finishes.
+
+        Leaving early (cancellation) detaches; the last consumer to leave pauses the run."""
+        sent_text = self.text(run, offset)
+        run.consumers += 1
+        try:
+            while True:
+                await run.wait_until(offset)
+                gen = run.generated
+                if len(gen) > offset:
+                    text = self.text(run, len(gen))
+                    # Hold back an incomplete multi-byte character; never resend text.
+                    safe = text.rstrip("\ufffd") if not run.finished else text
+                    delta = safe[len(sent_text):] if safe.startswith(sent_text) else ""
+                    sent_text = sent_text + delta
+                    yield Update(offset, tuple(gen[offset:]), delta)
+                    offset = len(gen)
+                    continue
+                if run.finished:
+                    yield Update(offset, (), "", run.checker.finish_reason, run.stats)
+                    return
+                if run.error is not None:
+                    raise run.error
+                if run.task is not None and run.task.done():
+                    raise Unavailable("the session stopped before finishing; resume it with its id")
+        finally:
+            run.consumers -= 1
+            if run.consumers == 0 and run.task is not None and not run.task.done():
+                run.task.cancel()
+
+    async def generate(self, req: Request) -> tuple[SessionRun, int]:
+        """Unary: wait for the whole answer; -> (the finished run, the client's offset)."""
+        run, offset = await self.open(req)
+        async for _ in self.follow(run, offset):
+            pass
+        return run, offset
+
+    async def close(self) -> None:
+        for run in list(self.runs.values()):
+            if run.task is not None:
+                run.task.cancel()
+        await asyncio.gather(*(r.task for r in list(self.runs.values()) if r.task), return_exceptions=True)
+        await self.draft_pool.close()
+        await self.target_pool.close()
+        await self.store.close()
+        if self._tokenizer_dir is not None:
+            self._tokenizer_dir.cleanup()

@@ -1,0 +1,305 @@
+"""One session's generation loop: propose (draft service), verify (target service), commit to
+Redis, tell the streams; target-side Decode when the draft is out; pipelining.
+
+Order of a step (draft available):
+1. Propose block i on the session's draft replica (or take the block drafted ahead, if it was
+   drafted from exactly the tokens now committed: a pipeline hit).
+2. With pipelining on, start drafting block i+1 from the optimistic prefix (committed + block i
+   + the draft's guess of the bonus token) while
+3. the session's target replica verifies block i.
+4. Commit the emitted tokens to Redis (versioned compare-and-set), then wake the streams.
+When the draft fails (down, deadline missed, refused), its replica leaves the ring for a
+cool-down (the circuit breaker) and the step runs on the target alone (Decode); drafting
+resumes once a draft replica answers SERVING again. Greedy output is the target's own either way.
+
+Every call carries the committed length and digest; the `*_known` lists track what each replica
+is sure to hold so only new tokens travel. While a call is in flight only the part common to
+before and after is sure, so that is what is kept if the call is cancelled or fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from specdec.errors import InvalidRequest, SpecdecError
+from specdec.proposers.draft_model import common_prefix_len
+from specdec.rpc.clients import DraftBlock, DraftClient, RemoteError, TargetClient
+from specdec.rpc.serving import FailedPrecondition, NotFound, Overloaded, Unavailable
+from specdec.stopping import StopChecker
+from specdec.types import SamplingParams, StopConditions
+
+if TYPE_CHECKING:
+    from coordinator.core import Coordinator
+    from coordinator.sessions import SessionRecord
+
+log = logging.getLogger("coordinator")
+DRAFT_METHODS = ("auto", "draft")  # methods that draft on the draft service when it is available
+
+
+class DraftOut(Exception):
+    """The draft could not serve this step: run it on the target alone."""
+
+
+@dataclass
+class RunStats:
+    target_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    fallback_steps: int = 0
+    pipeline_hits: int = 0
+    pipeline_misses: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.emitted / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass
+class _Pending:
+    assumed: tuple[int, ...]  # the optimistic committed tokens it was drafted from
+    address: str
+    task: asyncio.Task
+
+
+@dataclass
+class SessionRun:
+    coord: "Coordinator"
+    rec: "SessionRecord"
+    sampling: SamplingParams
+    stop: StopConditions
+    method: str
+    k: int
+    checker: StopChecker
+    stats: RunStats = field(default_factory=RunStats)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    task: Optional[asyncio.Task] = None
+    error: Optional[BaseException] = None
+    consumers: int = 0
+    draft_addr: Optional[str] = None
+    draft_known: list[int] = field(default_factory=list)
+    target_addr: Optional[str] = None
+    target_known: list[int] = field(default_factory=list)
+    pending: Optional[_Pending] = None
+
+    @property
+    def session_id(self) -> str:
+        return self.rec.session_id
+
+    @property
+    def finished(self) -> bool:
+        return self.checker.finish_reason is not None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.rec.generated
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run(), name=f"session-{self.session_id}")
+
+    # --- the loop --------------------------------------------------------------------------
+    async def _run(self) -> None:
+        coord = self.coord
+        t0 = time.perf_counter() - self.stats.elapsed_s
+        try:
+            while not self.finished:
+                emitted = await self._step()
+                taken = self.checker.push(emitted)
+                self.stats.emitted += len(taken)
+                self.stats.elapsed_s = time.perf_counter() - t0
+                status = "done" if self.finished else "running"
+                # 4. commit before anyone sees the tokens.
+                await coord.store.commit(self.rec, taken, status, self.checker.finish_reason or "",
+                                         self.stats.to_dict())
+                coord.metrics.generated_tokens.inc(len(taken))
+                async with self.changed:
+                    self.changed.notify_all()
+        except asyncio.CancelledError:
+            await self._pause()
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to the streams, which map it to a status
+            if not isinstance(exc, SpecdecError):
+                log.exception("session %s failed", self.session_id)
+            self.error = exc
+            await self._pause()
+        finally:
+            self._drop_pending()
+            coord.run_ended(self)
+            async with self.changed:
+                self.changed.notify_all()
+
+    async def _pause(self) -> None:
+        """Leave the session resumable: status paused (shielded from the cancellation itself)."""
+        if self.finished:
+            return
+        try:
+            await asyncio.shield(self.coord.store.commit(self.rec, [], "paused", "", self.stats.to_dict()))
+        except (SpecdecError, asyncio.CancelledError):
+            pass
+
+    async def _step(self) -> tuple[int, ...]:
+        remaining = self.checker.remaining
+        if self.method in DRAFT_METHODS:
+            k = min(self.k, remaining - 1)
+            if k < 1:  # one token left: a plain step, no draft needed
+                return (await self._verify(DraftBlock((), None, None))).emitted
+            draft = self.coord.draft_pool.pick(self.session_id)
+            if draft is not None:
+                try:
+                    block = await self._propose(draft, k)
+                except DraftOut:
+                    pass
+                else:
+                    return (await self._verify(block)).emitted
+            return await self._decode("", min(remaining, self.coord.settings.fallback_chunk), fallback=True)
+        return await self._decode("" if self.method == "target" else self.method,
+                                  min(remaining, self.coord.settings.decode_chunk), fallback=False)
+
+    # --- draft -----------------------------------------------------------------------------
+    def _drop_pending(self) -> None:
+        if self.pending is not None:
+            self.pending.task.cancel()
+            self.pending = None
+
+    async def _send_propose(self, rep, tokens: list[int], k: int, with_guess: bool) -> DraftBlock:
+        client: DraftClient = rep.client
+        if rep.address != self.draft_addr:
+            self.draft_addr, self.draft_known = None, []
+            await client.prefill(self.session_id, tokens)
+            self.draft_addr, self.draft_known = rep.address, list(tokens)
+        known = common_prefix_len(self.draft_known, tokens)
+        self.draft_known = self.draft_known[:known]  # only this much is sure while the call is in flight
+        block = await client.propose(self.session_id, tokens, known, k, self.sampling, with_guess=with_guess,
+                                     vocab_size=self.coord.vocab_size,
+                                     timeout=self.coord.settings.propose_deadline_s)
+        if rep.address == self.draft_addr:
+            self.draft_known = list(tokens)
+        return block
+
+    async def _propose(self, rep, k: int) -> DraftBlock:
+        committed = list(self.rec.tokens)
+        pipeline = self.coord.settings.pipeline
+        block = None
+        if self.pending is not None:
+            p, self.pending = self.pending, None
+            if p.assumed == tuple(committed) and p.address == rep.address and len(p.assumed) > 0:
+                try:
+                    block = await p.task
+                except (SpecdecError, asyncio.CancelledError):
+                    block = None
+                if block is not None and len(block.token_ids) < k:
+                    block = None
+            else:
+                p.task.cancel()
+            self.stats.pipeline_hits += block is not None
+            self.stats.pipeline_misses += block is None
+            (self.coord.metrics.pipeline_hits if block is not None else self.coord.metrics.pipeline_misses).inc()
+        if block is None:
+            for attempt in range(2):
+                try:
+                    block = await self._send_propose(rep, committed, k, with_guess=pipeline)
+                    break
+                except NotFound:
+                    self.draft_addr = None  # evicted or restarted: prefill it again
+                except (Unavailable, RemoteError, Overloaded, FailedPrecondition, InvalidRequest) as exc:
+                    self.coord.draft_pool.mark_failed(rep.address, str(exc))
+                    self.draft_addr = None
+                    raise DraftOut() from None
+            else:
+                raise DraftOut()
+        block = DraftBlock(block.token_ids[:k], None if block.draft_probs is None else block.draft_probs[:k],
+                           block.guess if len(block.token_ids) == k else None)
+        if pipeline and block.guess is not None and len(block.token_ids) == k:
+            assumed = committed + list(block.token_ids) + [block.guess]
+            next_k = min(self.k, self.checker.remaining - len(assumed) + len(committed) - 1)
+            if next_k >= 1:
+                task = asyncio.get_running_loop().create_task(self._send_propose(rep, assumed, next_k, True))
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "never retrieved"
+                self.pending = _Pending(tuple(assumed), rep.address, task)
+        return block
+
+    # --- target ----------------------------------------------------------------------------
+    async def _target(self):
+        pool = self.coord.target_pool
+        rep = pool.pick(self.session_id)
+        if rep is None:
+            await pool.wait_for_live(self.coord.settings.target_wait_s)
+            rep = pool.pick(self.session_id)
+            if rep is None:
+                raise Unavailable("no target replica is available")
+        return rep
+
+    async def _on_target(self, call):
+        """Run call(client, committed, known) on the session's target replica, prefilling it when the
+        replica is new to the session, and moving to another replica when it fails."""
+        deadline = time.monotonic() + self.coord.settings.target_wait_s
+        while True:
+            rep = await self._target()
+            client: TargetClient = rep.client
+            committed = list(self.rec.tokens)
+            try:
+                if rep.address != self.target_addr:
+                    self.target_addr, self.target_known = None, []
+                    await client.prefill(self.session_id, committed)
+                    self.target_addr, self.target_known = rep.address, list(committed)
+                known = common_prefix_len(self.target_known, committed)
+                self.target_known = self.target_known[:known]
+                result = await call(client, committed, known)
+                self.target_known = committed + list(result.emitted)
+                return result
+            except NotFound:
+                self.target_addr = None
+            except (Unavailable, RemoteError) as exc:
+                self.coord.target_pool.mark_failed(rep.address, str(exc))
+                self.target_addr = None
+            if time.monotonic() > deadline:
+                raise Unavailable("the target service did not serve the session in time")
+
+    async def _verify(self, block: DraftBlock):
+        async def call(client: TargetClient, committed, known):
+            return await client.verify(self.session_id, committed, known, block.token_ids, block.draft_probs,
+                                       self.sampling)
+
+        v = await self._on_target(call)
+        self.stats.target_forwards += 1
+        self.stats.drafted += v.num_drafted
+        self.stats.accepted += v.num_accepted
+        return v
+
+    async def _decode(self, method: str, max_tokens: int, fallback: bool) -> tuple[int, ...]:
+        self._drop_pending()
+
+        async def call(client: TargetClient, committed, known):
+            return await client.decode(self.session_id, committed, known, max_tokens, method, self.sampling,
+                                       self.stop.eos_token_ids)
+
+        res = await self._on_target(call)
+        self.stats.target_forwards += res.target_forwards
+        self.stats.drafted += res.num_drafted
+        self.stats.accepted += res.num_accepted
+        if fallback:
+            self.stats.fallback_steps += res.target_forwards
+            self.coord.metrics.fallback_steps.inc(res.target_forwards)
+        return res.emitted
+
+    # --- consumers -------------------------------------------------------------------------
+    async def wait_until(self, have: int) -> None:
+        """Wait until more than `have` tokens are generated, or the run ended."""
+        async with self.changed:
+            await self.changed.wait_for(lambda: len(self.generated) > have or self.task is None or self.task.done())

@@ -1,0 +1,78 @@
+"""gRPC shell of the coordinator: convert, call Coordinator, convert back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Optional, Sequence
+
+from specdec.rpc import convert
+from specdec.rpc.metrics import ServiceMetrics
+from specdec.rpc.serving import RunningServer, ServerSettings, start_server
+from specdec.rpc.v1 import coordinator_pb2, coordinator_pb2_grpc
+from coordinator.core import Coordinator, CoordinatorSettings, Prompt, Request
+from coordinator.run import RunStats
+from coordinator.sessions import SessionStore
+
+SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+PUBLIC_MAX_MESSAGE_BYTES = 4 << 20  # a public request is a prompt: larger ones are refused (RESOURCE_EXHAUSTED)
+log = logging.getLogger("coordinator")
+
+
+def request_from_pb(msg: coordinator_pb2.GenerateRequest) -> Request:
+    which = msg.WhichOneof("prompt")
+    prompt = Prompt(
+        text=msg.text if which == "text" else None,
+        token_ids=list(msg.token_ids.ids) if which == "token_ids" else None,
+        chat=[(m.role, m.content) for m in msg.chat.messages] if which == "chat" else None)
+    if which is None and not msg.session_id:
+        prompt = Prompt(token_ids=[])  # rejected as an empty prompt
+    # (no prompt but a session id: resume that session, NOT_FOUND if it does not exist)
+    return Request(prompt=prompt, sampling=convert.sampling_from_pb(msg.sampling), max_tokens=msg.max_tokens,
+                   stop=tuple(msg.stop), method=msg.method, k=msg.k, session_id=msg.session_id,
+                   resume_from=msg.resume_from)
+
+
+def stats_to_pb(s: RunStats) -> coordinator_pb2.Stats:
+    return coordinator_pb2.Stats(tau=s.tau, alpha=s.alpha, tokens_per_s=s.tokens_per_s,
+                                 target_forwards=s.target_forwards, drafted=s.drafted, accepted=s.accepted,
+                                 emitted=s.emitted, fallback_steps=s.fallback_steps, pipeline_hits=s.pipeline_hits,
+                                 pipeline_misses=s.pipeline_misses, elapsed_s=s.elapsed_s)
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, core: Coordinator):
+        self.core = core
+
+    async def Generate(self, request, context):
+        run, offset = await self.core.generate(request_from_pb(request))
+        return coordinator_pb2.GenerateResponse(
+            session_id=run.session_id, text=self.core.text(run), token_ids=run.generated[offset:],
+            finish_reason=run.checker.finish_reason or "", stats=stats_to_pb(run.stats),
+            prompt_tokens=run.rec.prompt_len)
+
+    async def GenerateStream(self, request, context):
+        run, offset = await self.core.open(request_from_pb(request))
+        async for upd in self.core.follow(run, offset):
+            chunk = coordinator_pb2.GenerateChunk(session_id=run.session_id, offset=upd.offset,
+                                                  token_ids=upd.token_ids, text=upd.text,
+                                                  finish_reason=upd.finish_reason)
+            if upd.stats is not None:
+                chunk.stats.CopyFrom(stats_to_pb(upd.stats))
+            yield chunk
+
+
+async def start_coordinator_server(redis_url: str, draft_addresses: Sequence[str], target_addresses: Sequence[str],
+                                   server: ServerSettings = ServerSettings(max_message_bytes=PUBLIC_MAX_MESSAGE_BYTES),
+                                   settings: CoordinatorSettings = CoordinatorSettings()) -> RunningServer:
+    metrics = ServiceMetrics("coordinator")
+    store = SessionStore(redis_url, ttl_s=settings.session_ttl_s)
+    draft_pool, target_pool = Coordinator.pools(draft_addresses, target_addresses, settings)
+    core = Coordinator(store, draft_pool, target_pool, settings, metrics)
+    core.start()
+    running = await start_server(
+        server, lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(core), s),
+        [SERVICE_NAME], metrics)
+    running.core = core
+    running.on_stop.append(core.close)
+    return running

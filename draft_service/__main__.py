@@ -1,0 +1,67 @@
+"""Run the draft service.
+
+    python -m draft_service --host 0.0.0.0 --port 50061 --metrics-port 9461 [--draft DIR]
+        [--max-sessions N] [--grace-period S] [--config FILE]
+
+--draft DIR         draft model directory sharing the target's vocabulary (default: an INTERIM
+                    untrained early-exit copy of the embedded target, see draft_service/models.py)
+--max-sessions N    draft KV caches kept in memory, least recently used evicted (default 256)
+--grace-period S    after SIGTERM: health NOT_SERVING, in-flight calls get S seconds (default 5)
+--config FILE       TOML with any of these settings, keys with underscores (max_sessions = 256);
+                    flags given on the command line override the file
+Also: --host, --port, --metrics-port (-1: off), --max-batch, --batch-window-ms, --max-k,
+--max-message-bytes, --log-level.
+Serves grpc.health.v1 ("" and specdec.rpc.v1.DraftService), reflection, and /metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Optional, Sequence
+
+from specdec.rpc.serving import add_common_flags, parse_settings, serve_until_signal, server_settings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m draft_service", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_flags(p, port=50061, metrics_port=9461)
+    p.add_argument("--draft", default=None, help="draft model directory (default: interim early-exit draft)")
+    p.add_argument("--max-sessions", type=int, default=256)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--batch-window-ms", type=float, default=1.0)
+    p.add_argument("--max-k", type=int, default=32)
+    return p
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from draft_service.core import DraftSettings
+    from draft_service.models import load_draft
+    from draft_service.servicer import start_draft_server
+
+    draft = load_draft(args.draft)
+    settings = DraftSettings(max_sessions=args.max_sessions, max_batch=args.max_batch,
+                             batch_window_ms=args.batch_window_ms, max_k=args.max_k)
+    running = await start_draft_server(draft, server_settings(args), settings)
+    logging.getLogger("draft_service").info("draft service (%s) listening on %s:%d, metrics on %s", draft.name,
+                                            args.host, running.port, running.metrics_port)
+    await serve_until_signal(running, args.grace_period)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_settings(build_parser(), argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from specdec.errors import SpecdecError
+    try:
+        asyncio.run(_serve(args))
+    except SpecdecError as exc:
+        print(f"draft_service: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

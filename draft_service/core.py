@@ -1,0 +1,187 @@
+"""The draft service without the wire: one draft-model proposer per session (LRU-bounded), and
+concurrent Propose calls with the same sampling settings drafted together in one batch.
+
+A session stores the committed tokens the caller last named. The proposer itself keeps its KV
+cache aligned with whatever tokens it is given (it rolls back to the common prefix), so a
+pipelined Propose from an optimistic prefix that turns out wrong costs nothing to undo. A
+missing or stale session is refused with NotFound; the caller prefills it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from specdec.errors import InvalidRequest
+from specdec.kv_stack import split_cache, stack_caches
+from specdec.lm import CausalLM
+from specdec.proposers.draft_model import DraftModelProposer
+from specdec.rpc.batching import MicroBatcher
+from specdec.rpc.convert import check_token_ids, step_seed, token_digest
+from specdec.rpc.metrics import ServiceMetrics
+from specdec.rpc.serving import NotFound
+from specdec.sampling import make_generator
+from specdec.types import ProposeContext, SamplingParams
+
+log = logging.getLogger("draft_service")
+_DRAFT_SALT = 0x5EED
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    max_sessions: int = 256  # proposers (KV caches) kept; least recently used evicted beyond this
+    max_batch: int = 8
+    batch_window_ms: float = 1.0
+    max_k: int = 32
+    max_queue: int = 256
+
+
+@dataclass
+class DraftSession:
+    session_id: str
+    proposer: DraftModelProposer
+    tokens: list[int] = field(default_factory=list)  # the committed tokens the caller last named
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass
+class _Job:
+    session: DraftSession
+    committed_len: int
+    new_token_ids: tuple[int, ...]
+    digest: int
+    k: int
+    sampling: SamplingParams
+    with_guess: bool
+
+
+@dataclass(frozen=True)
+class DraftResult:
+    token_ids: tuple[int, ...]
+    draft_probs: Optional[torch.Tensor]  # [k, vocab] when sampling
+    guess: Optional[int]
+
+
+class DraftCore:
+    def __init__(self, draft: CausalLM, settings: DraftSettings = DraftSettings(),
+                 metrics: Optional[ServiceMetrics] = None):
+        self.draft = draft
+        self.settings = settings
+        self.metrics = metrics or ServiceMetrics("draft")
+        self.sessions: OrderedDict[str, DraftSession] = OrderedDict()
+        self.batcher = MicroBatcher(self._run, max_batch=settings.max_batch, window_s=settings.batch_window_ms / 1000,
+                                    max_queue=settings.max_queue, metrics=self.metrics)
+
+    def _session(self, session_id: str, create: bool = False) -> DraftSession:
+        sess = self.sessions.get(session_id)
+        if sess is None:
+            if not create:
+                raise NotFound(f"unknown session {session_id}: prefill it first")
+            sess = self.sessions[session_id] = DraftSession(session_id, self._new_proposer())
+            while len(self.sessions) > self.settings.max_sessions:
+                evicted, _ = self.sessions.popitem(last=False)
+                log.info("evicted session %s (LRU)", evicted)
+        self.sessions.move_to_end(session_id)
+        self.metrics.sessions.set(len(self.sessions))
+        return sess
+
+    def _new_proposer(self) -> DraftModelProposer:
+        """A proposer holding one row (this session), with an empty cache."""
+        proposer = DraftModelProposer(self.draft)
+        proposer.cache = self.draft.new_cache(1)
+        proposer.cached_tokens = [[]]
+        proposer.row_ids = (0,)
+        return proposer
+
+    def release(self, session_id: str) -> bool:
+        found = self.sessions.pop(session_id, None) is not None
+        self.metrics.sessions.set(len(self.sessions))
+        return found
+
+    async def prefill(self, session_id: str, token_ids: Sequence[int]) -> int:
+        ids = check_token_ids(token_ids, self.draft.vocab_size, "prompt token ids")
+        if not ids:
+            raise InvalidRequest("prefill needs at least one token")
+        if len(ids) >= self.draft.max_positions:
+            raise InvalidRequest(f"{len(ids)} tokens exceed the draft's context of {self.draft.max_positions}")
+        sess = self._session(session_id, create=True)
+        async with sess.lock:
+            sess.tokens = ids  # the proposer feeds what its cache lacks at the next Propose
+        self.metrics.session_rebuilds.inc()
+        return len(ids)
+
+    async def propose(self, session_id: str, committed_len: int, new_token_ids: Sequence[int], digest: int, k: int,
+                      sampling: SamplingParams, with_guess: bool = False) -> DraftResult:
+        if not 1 <= k <= self.settings.max_k:
+            raise InvalidRequest(f"k must be in [1, {self.settings.max_k}], got {k}")
+        if committed_len < 1 or len(new_token_ids) > committed_len:
+            raise InvalidRequest(f"committed_len must be >= 1 and >= the {len(new_token_ids)} new tokens")
+        new_ids = tuple(check_token_ids(new_token_ids, self.draft.vocab_size, "new token ids"))
+        if committed_len + k + 2 > self.draft.max_positions:
+            raise InvalidRequest(f"the session would exceed the draft's context of {self.draft.max_positions} tokens")
+        sess = self._session(session_id)
+        async with sess.lock:
+            return await self.batcher.submit(_Job(sess, committed_len, new_ids, digest, k, sampling, with_guess))
+
+    # --- the model thread ------------------------------------------------------------------
+    def _sync(self, job: _Job) -> list[int]:
+        sess = job.session
+        base = job.committed_len - len(job.new_token_ids)
+        if base > len(sess.tokens):
+            raise NotFound(f"session {sess.session_id} is behind the caller: prefill it again")
+        candidate = sess.tokens[:base] + list(job.new_token_ids)
+        if token_digest(candidate) != job.digest:
+            raise NotFound(f"session {sess.session_id} holds other tokens than the caller: prefill it again")
+        sess.tokens = candidate
+        return candidate
+
+    def _run(self, jobs: Sequence[_Job]) -> list:
+        results: list = [None] * len(jobs)
+        groups: dict[SamplingParams, list[int]] = {}
+        for i, job in enumerate(jobs):
+            try:
+                self._sync(job)
+                groups.setdefault(job.sampling, []).append(i)
+            except Exception as exc:  # noqa: BLE001 - one bad session must not fail the batch
+                results[i] = exc
+        for sampling, idx in groups.items():
+            for i, res in zip(idx, self._propose_group([jobs[i] for i in idx], sampling)):
+                results[i] = res
+        return results
+
+    def _propose_group(self, jobs: Sequence[_Job], sampling: SamplingParams) -> list[DraftResult]:
+        """Draft for several sessions in one batched proposer: their caches are stacked into it
+        and split back afterwards."""
+        ks = tuple(j.k + (1 if j.with_guess else 0) for j in jobs)
+        ctx = ProposeContext(row_ids=tuple(range(len(jobs))), token_ids=tuple(tuple(j.session.tokens) for j in jobs),
+                             k=ks, sampling=sampling)
+        if len(jobs) == 1:
+            proposer = jobs[0].session.proposer  # row 0 of its own proposer
+        else:
+            proposer = DraftModelProposer(self.draft)
+            owned = [j.session.proposer for j in jobs]
+            proposer.cache = stack_caches([p.cache for p in owned], self.draft.new_cache)
+            proposer.cached_tokens = [list(p.cached_tokens[0]) for p in owned]
+            proposer.row_ids = ctx.row_ids
+        if not sampling.greedy:
+            proposer.generator = make_generator(step_seed(None if sampling.seed is None else sampling.seed ^ _DRAFT_SALT,
+                                                          len(jobs[0].session.tokens)))
+        proposals = proposer.propose(ctx)
+        if len(jobs) > 1:
+            for j, row, toks in zip(jobs, split_cache(proposer.cache, self.draft.new_cache), proposer.cached_tokens):
+                j.session.proposer.cache = row
+                j.session.proposer.cached_tokens = [toks]
+        out = []
+        for job, prop in zip(jobs, proposals):
+            toks = prop.token_ids
+            probs = prop.draft_probs[: job.k] if prop.draft_probs is not None else None
+            out.append(DraftResult(tuple(toks[: job.k]), probs, toks[job.k] if job.with_guess else None))
+        return out
+
+    async def close(self) -> None:
+        await self.batcher.close()

@@ -1,0 +1,103 @@
+"""Micro-batching: requests that arrive within a short window run as one batch on one worker
+thread (the model's), so concurrent sessions share forward passes and the event loop never
+blocks on torch."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Optional, Sequence, TypeVar
+
+from specdec.rpc.metrics import ServiceMetrics
+from specdec.rpc.serving import Overloaded
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Item(Generic[T]):
+    payload: T
+    future: asyncio.Future
+
+
+class MicroBatcher(Generic[T]):
+    """run_batch(payloads) runs on the executor and returns one result or Exception per payload."""
+
+    def __init__(self, run_batch: Callable[[Sequence[T]], Sequence[Any]], max_batch: int = 8,
+                 window_s: float = 0.002, max_queue: int = 256, metrics: Optional[ServiceMetrics] = None,
+                 executor: Optional[concurrent.futures.Executor] = None):
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        self.run_batch = run_batch
+        self.max_batch = max_batch
+        self.window_s = window_s
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
+        self._queue: asyncio.Queue[_Item[T]] = asyncio.Queue()
+        self._worker: Optional[asyncio.Task] = None
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.get_running_loop().create_task(self._run())
+
+    async def submit(self, payload: T) -> Any:
+        if self._queue.qsize() >= self.max_queue:
+            raise Overloaded(f"server busy: {self._queue.qsize()} requests queued")
+        self._ensure_worker()
+        item = _Item(payload, asyncio.get_running_loop().create_future())
+        self._queue.put_nowait(item)
+        self._gauge()
+        return await item.future  # cancelling the caller cancels the future: the item is skipped if not started
+
+    async def run_alone(self, fn: Callable[[], Any]) -> Any:
+        """Run one function on the model thread (e.g. a prefill), in turn with the batches."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(self._queue.qsize())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self._queue.get()]
+            end = loop.time() + self.window_s
+            while len(batch) < self.max_batch:
+                if not self._queue.empty():
+                    batch.append(self._queue.get_nowait())
+                    continue
+                left = end - loop.time()
+                if left <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self._queue.get(), left))
+                except asyncio.TimeoutError:
+                    break
+            self._gauge()
+            batch = [it for it in batch if not it.future.done()]
+            if not batch:
+                continue
+            if self.metrics is not None:
+                self.metrics.batch_size.observe(len(batch))
+            try:
+                results = await loop.run_in_executor(self.executor, self.run_batch, [it.payload for it in batch])
+            except Exception as exc:  # noqa: BLE001 - a failed batch fails each of its callers
+                results = [exc] * len(batch)
+            for it, res in zip(batch, results):
+                if it.future.done():
+                    continue
+                if isinstance(res, BaseException):
+                    it.future.set_exception(res)
+                else:
+                    it.future.set_result(res)
+
+    async def close(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            try:
+                await self._worker
+            except asyncio.CancelledError:
+                pass
+        self.executor.shutdown(wait=False, cancel_futures=True)

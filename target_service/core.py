@@ -1,0 +1,312 @@
+"""The target service without the wire: per-session KV caches (LRU-bounded), Verify steps of
+concurrent sessions batched into one forward (specdec.verify), and target-side Decode with
+the registered proposers (plain, and Medusa / Lookahead / prompt lookup when available).
+
+Each session keeps the committed tokens it last saw and a cache holding all but the last one.
+Every request names its position (committed length + digest, plus the newest tokens); a
+session that is missing, evicted or stale is refused with NotFound and the caller prefills it
+again from its own copy of the tokens (Redis). A request behind the session (it applied a call
+whose answer was lost) rolls the session back first, so every call is safe to repeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from specdec.errors import InvalidRequest
+from specdec.lm import CausalLM
+from specdec.proposers.base import Proposer
+from specdec.proposers.draft_model import common_prefix_len
+from specdec.rpc.batching import MicroBatcher
+from specdec.rpc.convert import check_token_ids, step_seed, token_digest
+from specdec.rpc.metrics import ServiceMetrics
+from specdec.rpc.serving import FailedPrecondition, NotFound
+from specdec.sampling import make_generator
+from specdec.types import Proposal, ProposeContext, SamplingParams
+from specdec.verify import VerifyJob, load_committed, verify_step
+
+log = logging.getLogger("target_service")
+
+# Decode(method="") picks the first of these that is loaded.
+FALLBACK_ORDER = ("medusa", "lookahead", "plain")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
+
+
+@dataclass(frozen=True)
+class TargetSettings:
+    max_sessions: int = 64  # KV caches kept; the least recently used is evicted beyond this
+    max_batch: int = 8  # sessions per verification forward
+    batch_window_ms: float = 2.0  # how long the first request of a batch waits for company
+    max_k: int = 32  # most drafted tokens per Verify
+    max_queue: int = 256  # queued steps beyond this are refused (RESOURCE_EXHAUSTED)
+    # Benchmarks and tests only: sleep this long per step (no CPU), standing in for a busy GPU or a
+    # network hop, to measure what pipelining hides.
+    artificial_delay_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Position:
+    committed_len: int
+    new_token_ids: tuple[int, ...]
+    digest: int
+
+
+@dataclass
+class TargetSession:
+    session_id: str
+    tokens: list[int] = field(default_factory=list)  # committed tokens; the cache holds all but the last
+    cache: Optional[object] = None  # KVCache, batch 1
+    hidden: Optional[torch.Tensor] = None  # [hidden] state that produced tokens[-1], if known
+    proposers: dict[str, Proposer] = field(default_factory=dict)  # target-side proposers used by Decode
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass
+class _Step:
+    session: TargetSession
+    position: Optional[Position]  # None: already in sync (a later step of the same Decode)
+    draft_ids: tuple[int, ...] = ()
+    draft_probs: Optional[torch.Tensor] = None  # [k, vocab]
+    sampling: SamplingParams = SamplingParams()
+    proposer: Optional[Proposer] = None  # Decode: propose on the model thread right before the forward
+    proposer_k: int = 0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    emitted: tuple[int, ...]
+    num_accepted: int
+    num_drafted: int
+
+
+def _engine_view(target: CausalLM, tokenizer) -> SimpleNamespace:
+    """What METHODS' builders read from an engine: the target and a default EngineConfig (no
+    draft: drafts live in the draft service)."""
+    from specdec.engine import EngineConfig
+
+    def require_draft():
+        raise FailedPrecondition("the target service runs no draft model")
+    loaded = SimpleNamespace(lm=target, tokenizer=tokenizer, path=target.name)
+    return SimpleNamespace(target=loaded, draft=None, require_draft=require_draft, config=EngineConfig())
+
+
+class TargetCore:
+    def __init__(self, target: CausalLM, settings: TargetSettings = TargetSettings(),
+                 metrics: Optional[ServiceMetrics] = None, tokenizer_dir: Optional[str] = None,
+                 methods: Optional[dict[str, Optional[Callable[[], Proposer]]]] = None):
+        self.target = target
+        self.settings = settings
+        self.metrics = metrics or ServiceMetrics("target")
+        self.tokenizer_dir = tokenizer_dir
+        self.sessions: OrderedDict[str, TargetSession] = OrderedDict()
+        self.prefills: Counter[str] = Counter()  # per session: how often it was (re)built here
+        self.methods = methods if methods is not None else discover_methods(target)
+        # Keep every session's last hidden state when a loaded method reads it (Medusa heads).
+        self.needs_hidden = any(getattr(build, "needs_hidden", False) for build in self.methods.values())
+        self.batcher = MicroBatcher(self._run_steps, max_batch=settings.max_batch,
+                                    window_s=settings.batch_window_ms / 1000, max_queue=settings.max_queue,
+                                    metrics=self.metrics)
+
+    # --- sessions --------------------------------------------------------------------------
+    def _session(self, session_id: str, create: bool = False) -> TargetSession:
+        sess = self.sessions.get(session_id)
+        if sess is None:
+            if not create:
+                raise NotFound(f"unknown session {session_id}: prefill it first")
+            sess = self.sessions[session_id] = TargetSession(session_id)
+            while len(self.sessions) > self.settings.max_sessions:
+                evicted, _ = self.sessions.popitem(last=False)
+                log.info("evicted session %s (LRU)", evicted)
+        self.sessions.move_to_end(session_id)
+        self.metrics.sessions.set(len(self.sessions))
+        return sess
+
+    def release(self, session_id: str) -> bool:
+        found = self.sessions.pop(session_id, None) is not None
+        self.metrics.sessions.set(len(self.sessions))
+        return found
+
+    def _check_tokens(self, token_ids: Sequence[int], what: str) -> list[int]:
+        return check_token_ids(token_ids, self.target.vocab_size, what)
+
+    def _check_position(self, committed_len: int, new_ids: Sequence[int], extra: int = 0) -> None:
+        if committed_len < 1 or len(new_ids) > committed_len:
+            raise InvalidRequest(f"committed_len must be >= 1 and >= the {len(new_ids)} new tokens")
+        self._check_tokens(new_ids, "new token ids")
+        if committed_len + extra + 1 > self.target.max_positions:
+            raise InvalidRequest(f"the session would exceed the model's context of {self.target.max_positions} tokens")
+
+    async def prefill(self, session_id: str, token_ids: Sequence[int]) -> int:
+        ids = self._check_tokens(token_ids, "prompt token ids")
+        if not ids:
+            raise InvalidRequest("prefill needs at least one token")
+        if len(ids) + 1 > self.target.max_positions:
+            raise InvalidRequest(f"{len(ids)} tokens exceed the model's context of {self.target.max_positions}")
+        sess = self._session(session_id, create=True)
+        async with sess.lock:
+            def work():
+                if sess.cache is None:
+                    sess.cache = self.target.new_cache(1)
+                keep = common_prefix_len(sess.tokens, ids)
+                sess.cache.truncate(torch.tensor([min(keep, int(sess.cache.lengths[0]))]))
+                sess.tokens = list(ids)
+                sess.hidden = None
+                load_committed(self.target, sess.cache, ids)
+                return len(ids)
+            n = await self.batcher.run_alone(work)
+        self.metrics.session_rebuilds.inc()
+        self.prefills[session_id] += 1
+        return n
+
+    def _sync(self, sess: TargetSession, pos: Position) -> None:
+        """Bring the session to the caller's committed tokens (model thread)."""
+        base = pos.committed_len - len(pos.new_token_ids)
+        if sess.cache is None or base > len(sess.tokens):
+            raise NotFound(f"session {sess.session_id} is behind the caller: prefill it again")
+        candidate = sess.tokens[:base] + list(pos.new_token_ids)
+        if token_digest(candidate) != pos.digest:
+            raise NotFound(f"session {sess.session_id} holds other tokens than the caller: prefill it again")
+        if candidate != sess.tokens:
+            keep = min(common_prefix_len(sess.tokens, candidate), int(sess.cache.lengths[0]))
+            sess.cache.truncate(torch.tensor([keep]))
+            sess.tokens = candidate
+            sess.hidden = None
+            load_committed(self.target, sess.cache, candidate)
+
+    # --- the model thread ------------------------------------------------------------------
+    def _run_steps(self, steps: Sequence[_Step]) -> list:
+        results: list = [None] * len(steps)
+        jobs, where = [], []
+        for i, st in enumerate(steps):
+            try:
+                sess = st.session
+                if st.position is not None:
+                    self._sync(sess, st.position)
+                proposal = Proposal(token_ids=st.draft_ids, draft_probs=st.draft_probs)
+                needs_hidden = bool(getattr(st.proposer, "needs_hidden", False))
+                # A proposer that reads the target's hidden state waits for one plain step when it is unknown.
+                if st.proposer is not None and st.proposer_k > 0 and not (needs_hidden and sess.hidden is None):
+                    ctx = ProposeContext(row_ids=(0,), token_ids=(tuple(sess.tokens),), k=(st.proposer_k,),
+                                         sampling=st.sampling, target_hidden=(sess.hidden,) if needs_hidden else None)
+                    proposal = st.proposer.propose(ctx)[0]
+                seed = step_seed(st.sampling.seed, len(sess.tokens))
+                jobs.append(VerifyJob(cache=sess.cache, root=sess.tokens[-1], proposal=proposal,
+                                      sampling=st.sampling, generator=make_generator(seed),
+                                      want_hidden=self.needs_hidden))
+                where.append(i)
+            except Exception as exc:  # noqa: BLE001 - one bad session must not fail the batch
+                results[i] = exc
+        if jobs:
+            outcomes = verify_step(self.target, jobs)
+            for i, out in zip(where, outcomes):
+                st, v = steps[i], out.verdict
+                st.session.tokens.extend(v.emitted)
+                st.session.hidden = out.hidden
+                if st.proposer is not None:
+                    st.proposer.observe([v])
+                self.metrics.record_verdict(v.num_drafted, v.num_accepted, len(v.emitted))
+                results[i] = StepResult(v.emitted, v.num_accepted, v.num_drafted)
+        return results
+
+    # --- RPC bodies ------------------------------------------------------------------------
+    async def verify(self, session_id: str, pos: Position, draft_ids: Sequence[int],
+                     draft_probs: Optional[torch.Tensor], sampling: SamplingParams) -> StepResult:
+        if len(draft_ids) > self.settings.max_k:
+            raise InvalidRequest(f"at most {self.settings.max_k} draft tokens per Verify, got {len(draft_ids)}")
+        self._check_position(pos.committed_len, pos.new_token_ids, len(draft_ids))
+        ids = tuple(self._check_tokens(draft_ids, "draft token ids"))
+        if draft_probs is not None and sampling.greedy:
+            draft_probs = None  # greedy acceptance never reads them
+        sess = self._session(session_id)
+        async with sess.lock:
+            res = await self.batcher.submit(_Step(sess, pos, ids, draft_probs, sampling))
+        await self._delay()
+        return res
+
+    async def _delay(self) -> None:
+        if self.settings.artificial_delay_ms > 0:
+            await asyncio.sleep(self.settings.artificial_delay_ms / 1000)
+
+    def resolve_method(self, method: str) -> str:
+        if not method:
+            return next(m for m in FALLBACK_ORDER if m == "plain" or m in self.methods)
+        if method != "plain" and method not in self.methods:
+            raise InvalidRequest(f"unknown or unavailable decode method {method!r}; "
+                                 f"available: {', '.join(self.available_methods())}")
+        return method
+
+    def available_methods(self) -> list[str]:
+        return ["plain", *(m for m in self.methods if m != "plain")]
+
+    async def decode(self, session_id: str, pos: Position, max_tokens: int, method: str,
+                     sampling: SamplingParams, stop_token_ids: Sequence[int] = (), k: int = 4) -> dict:
+        if max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")
+        self._check_position(pos.committed_len, pos.new_token_ids, max_tokens)
+        method = self.resolve_method(method)
+        stops = set(int(t) for t in stop_token_ids)
+        sess = self._session(session_id)
+        emitted: list[int] = []
+        forwards = drafted = accepted = 0
+        async with sess.lock:
+            proposer = None
+            if method != "plain":
+                proposer = sess.proposers.get(method)
+                if proposer is None:
+                    proposer = sess.proposers[method] = self.methods[method]()
+            position: Optional[Position] = pos
+            while len(emitted) < max_tokens and not (emitted and emitted[-1] in stops):
+                k_step = min(k, max_tokens - len(emitted) - 1) if proposer is not None else 0
+                res = await self.batcher.submit(_Step(sess, position, sampling=sampling, proposer=proposer,
+                                                      proposer_k=k_step))
+                await self._delay()
+                position = None
+                forwards += 1
+                drafted += res.num_drafted
+                accepted += res.num_accepted
+                for t in res.emitted:
+                    emitted.append(t)
+                    if t in stops or len(emitted) >= max_tokens:
+                        break
+        return dict(emitted=tuple(emitted), method=method, target_forwards=forwards, num_drafted=drafted,
+                    num_accepted=accepted)
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        if not self.tokenizer_dir:
+            return {}
+        root = Path(self.tokenizer_dir)
+        return {name: (root / name).read_bytes() for name in TOKENIZER_FILES if (root / name).is_file()}
+
+    async def close(self) -> None:
+        await self.batcher.close()
+
+
+def discover_methods(target: CausalLM, tokenizer=None) -> dict[str, Callable[[], Proposer]]:
+    """Target-side methods from the engine's registry (specdec.engine.METHODS) that build here,
+    i.e. need no draft model: prompt lookup today, Medusa and Lookahead when registered (Medusa
+    only when its heads load)."""
+    from specdec.engine import METHODS
+
+    view = _engine_view(target, tokenizer)
+    found: dict[str, Callable[[], Proposer]] = {}
+    for name, builder in METHODS.items():
+        if builder is None or name == "draft":
+            continue
+        try:
+            probe = builder(view)
+        except Exception as exc:  # noqa: BLE001 - a method that cannot load here is simply not offered
+            log.info("decode method %s not available on this target: %s", name, str(exc).splitlines()[0][:200])
+            continue
+        build = (lambda b=builder: b(view))
+        build.needs_hidden = bool(getattr(probe, "needs_hidden", False))
+        found[name] = build
+    return found

@@ -1,0 +1,80 @@
+"""In-process service stacks for the service tests: draft, target(s) and coordinator as grpc.aio
+servers on loopback ports in the test's own event loop, talking to a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Optional
+
+from coordinator.core import CoordinatorSettings
+from coordinator.servicer import start_coordinator_server
+from draft_service.core import DraftSettings
+from draft_service.servicer import start_draft_server
+from specdec.lm import CausalLM
+from specdec.rpc.clients import CoordinatorClient
+from specdec.rpc.serving import RunningServer, ServerSettings
+from target_service.core import TargetSettings
+from target_service.servicer import start_target_server
+
+# Quick breaker and health probing so failure tests take seconds, not minutes.
+FAST = CoordinatorSettings(draft_cooldown_s=0.2, probe_interval_s=0.1, propose_deadline_s=5.0, target_wait_s=20.0)
+
+
+@dataclass
+class LocalStack:
+    redis_url: str
+    target_lm: CausalLM
+    draft_lm: Optional[CausalLM]
+    target_settings: TargetSettings
+    drafts: list[RunningServer] = field(default_factory=list)
+    targets: list[RunningServer] = field(default_factory=list)
+    coord: Optional[RunningServer] = None
+    client: Optional[CoordinatorClient] = None
+
+    @property
+    def core(self):
+        return self.coord.core
+
+    async def restart_draft(self, i: int = 0) -> RunningServer:
+        """Start a fresh draft service (empty caches) on the port of draft i."""
+        port = self.drafts[i].port
+        await self.drafts[i].stop(0)
+        self.drafts[i] = await start_draft_server(self.draft_lm, ServerSettings(port=port))
+        return self.drafts[i]
+
+    async def start_target_on(self, port: int) -> RunningServer:
+        srv = await start_target_server(self.target_lm, ServerSettings(port=port), self.target_settings)
+        self.targets.append(srv)
+        return srv
+
+
+@asynccontextmanager
+async def local_stack(redis_url: str, target_lm: CausalLM, draft_lm: Optional[CausalLM] = None, n_targets: int = 1,
+                      settings: CoordinatorSettings = FAST, target_settings: TargetSettings = TargetSettings(),
+                      draft_settings: DraftSettings = DraftSettings(), methods=None):
+    stack = LocalStack(redis_url, target_lm, draft_lm, target_settings)
+    try:
+        if draft_lm is not None:
+            stack.drafts.append(await start_draft_server(draft_lm, settings=draft_settings))
+        for _ in range(n_targets):
+            stack.targets.append(await start_target_server(target_lm, settings=target_settings, methods=methods))
+        stack.coord = await start_coordinator_server(redis_url, [d.address for d in stack.drafts],
+                                                     [t.address for t in stack.targets], settings=settings)
+        stack.client = CoordinatorClient(stack.coord.address)
+        yield stack
+    finally:
+        if stack.client is not None:
+            await stack.client.close()
+        for srv in [stack.coord, *stack.drafts, *stack.targets]:
+            if srv is not None:
+                await srv.stop(0)
+
+
+def run(coro, timeout: float = 120.0):
+    """Run one test scenario in a fresh event loop, bounded in time."""
+    async def bounded():
+        async with asyncio.timeout(timeout):
+            return await coro
+    return asyncio.run(bounded())
