@@ -87,9 +87,29 @@ def ensure_default_target(cache_dir: Optional[Path] = None) -> Path:
     return out
 
 
+# How the engine runs a loaded model: "hf" through transformers (any causal LM), "fast" through
+# specdec's own Llama forward (same weights, same outputs up to float rounding; faster on CPU),
+# "fast-bf16" the same with bfloat16 matmul weights (LOSSY relative to the float32 model).
+BACKENDS = ("hf", "fast", "fast-bf16")
+
+
+def wrap_model(model: torch.nn.Module, name: str, backend: str = "hf") -> CausalLM:
+    """The engine's adapter for a loaded transformers model, on the chosen backend."""
+    if backend == "hf":
+        return CausalLM(model, name=name)
+    if backend in ("fast", "fast-bf16"):
+        from specdec.fast import FastLlamaLM
+
+        return FastLlamaLM(model, name=name, weight_dtype=torch.bfloat16 if backend == "fast-bf16" else None)
+    raise ModelLoadError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
 def load_model(spec: Optional[str] = None, *, cache_dir: Optional[Path] = None, device: str = "cpu",
-               dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """spec: None or DEFAULT_TARGET for the embedded default, a local model directory, or a hub id."""
+               dtype: torch.dtype = torch.float32, backend: str = "hf") -> LoadedModel:
+    """spec: None or DEFAULT_TARGET for the embedded default, a local model directory, or a hub id.
+    backend: one of BACKENDS."""
+    if backend not in BACKENDS:
+        raise ModelLoadError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if spec is None or spec == DEFAULT_TARGET:
@@ -107,8 +127,8 @@ def load_model(spec: Optional[str] = None, *, cache_dir: Optional[Path] = None, 
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):
         tokenizer = None
-    return LoadedModel(lm=CausalLM(model, name=os.path.basename(path.rstrip("/")) or path), tokenizer=tokenizer,
-                       path=path)
+    return LoadedModel(lm=wrap_model(model, os.path.basename(path.rstrip("/")) or path, backend),
+                       tokenizer=tokenizer, path=path)
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:

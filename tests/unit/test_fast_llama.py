@@ -1,0 +1,181 @@
+"""The fast Llama backend: same logits as the transformers path, same cache API, same outputs."""
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec.decode import plain_generate, speculative_generate
+from specdec.errors import ModelLoadError
+from specdec.fast import FastKVCache, FastLlamaLM, supports_fast
+from specdec.fast.llama import _linear
+from specdec.lm import CausalLM
+from specdec.proposers import DraftModelProposer, PromptLookupProposer
+from specdec.tree import block_mask, depths
+from specdec.types import StopConditions
+from tests.conftest import assert_greedy_equal
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_target):
+    """(transformers path, fast path) over the same weights."""
+    ref = CausalLM(copy.deepcopy(tiny_target.model), name="ref")
+    return ref, FastLlamaLM(copy.deepcopy(tiny_target.model), name="fast")
+
+
+def _both(pair, batch):
+    ref, fast = pair
+    return ref.new_cache(batch), fast.new_cache(batch)
+
+
+def test_prefill_logits_and_hidden_match_transformers(pair):
+    ref, fast = pair
+    prompts = [[3, 4, 5, 6, 7], [8, 9]]
+    a = ref.prefill(ref.new_cache(2), prompts, want_hidden=True)
+    b = fast.prefill(fast.new_cache(2), prompts, want_hidden=True)
+    torch.testing.assert_close(b.logits, a.logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(b.hidden, a.hidden, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("q", [1, 2, 3, 5, 9])
+def test_chain_block_logits_match_transformers_for_every_block_size(pair, q):
+    ref, fast = pair
+    ca, cb = _both(pair, 1)
+    ref.prefill(ca, [[1, 2, 3, 4, 5, 6]])
+    fast.prefill(cb, [[1, 2, 3, 4, 5, 6]])
+    ids = torch.arange(10, 10 + q)[None]
+    torch.testing.assert_close(fast.forward(cb, ids).logits, ref.forward(ca, ids).logits, atol=ATOL, rtol=0)
+
+
+def test_tree_block_with_padding_matches_transformers(pair):
+    ref, fast = pair
+    ca, cb = _both(pair, 2)
+    ref.prefill(ca, [[1, 2, 3], [4, 5, 6, 7]])
+    fast.prefill(cb, [[1, 2, 3], [4, 5, 6, 7]])
+    parents = (-1, -1, 0, 0)  # root -> {a, b}; a -> {c, d}
+    mask = torch.zeros(2, 5, 5, dtype=torch.bool)
+    mask[:] = block_mask(parents)
+    depth = depths(parents).expand(2, 5)
+    valid = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    ids = torch.tensor([[11, 12, 13, 14, 15], [21, 22, 23, 0, 0]])
+    a = ref.forward(ca, ids, mask, depth, valid)
+    b = fast.forward(cb, ids, mask, depth, valid)
+    torch.testing.assert_close(b.logits[0], a.logits[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(b.logits[1, :3], a.logits[1, :3], atol=ATOL, rtol=0)
+
+
+def test_rollback_select_rows_and_compact_keep_logits_equal_to_transformers(pair):
+    ref, fast = pair
+    ca, cb = _both(pair, 3)
+    for lm, c in ((ref, ca), (fast, cb)):
+        lm.prefill(c, [[1, 2, 3, 4], [5, 6], [7, 8, 9]])
+        lm.forward(c, torch.tensor([[10, 11, 12]] * 3))
+        c.keep_last(torch.tensor([[True, False, False], [True, True, False], [False, False, False]]))
+        c.select_rows(torch.tensor([0, 2]))
+        c.truncate(torch.tensor([4, 2]))
+        c.compact()
+    assert torch.equal(cb.valid, ca.valid) and torch.equal(cb.lengths, ca.lengths)
+    ids = torch.tensor([[30, 31], [32, 33]])
+    torch.testing.assert_close(fast.forward(cb, ids).logits, ref.forward(ca, ids).logits, atol=ATOL, rtol=0)
+
+
+def test_cache_grows_past_its_initial_capacity(pair):
+    ref, fast = pair
+    cb = fast.new_cache(1)
+    start = cb.hf.capacity
+    ids = torch.randint(2, 96, (1, start + 5), generator=torch.Generator().manual_seed(0))
+    ca = ref.new_cache(1)
+    ref.prefill(ca, [ids[0].tolist()])
+    fast.prefill(cb, [ids[0].tolist()])
+    assert cb.hf.capacity > start and cb.num_slots == start + 5
+    nxt = torch.tensor([[7]])
+    torch.testing.assert_close(fast.forward(cb, nxt).logits, ref.forward(ca, nxt).logits, atol=ATOL, rtol=0)
+
+
+def test_new_cache_is_a_fast_cache_with_the_kv_cache_api(pair):
+    cache = pair[1].new_cache(2)
+    assert isinstance(cache, FastKVCache)
+    for name in ("valid", "lengths", "num_slots", "appended", "keep_last", "truncate", "select_rows", "compact"):
+        assert hasattr(cache, name)
+
+
+def test_plain_decoding_equals_the_transformers_path(pair):
+    ref, fast = pair
+    stop = StopConditions(max_new_tokens=24)
+    prompts = [[3, 4, 5], [9, 8, 7, 6]]
+    want = plain_generate(ref, prompts, stop=stop)
+    got = plain_generate(fast, prompts, stop=stop)
+    for p, g, w in zip(prompts, got, want):
+        assert_greedy_equal(ref, p, g.token_ids, w.token_ids)
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_speculative_on_the_fast_target_equals_its_plain_decoding(pair, tiny_draft, k):
+    _, fast = pair
+    stop = StopConditions(max_new_tokens=24)
+    prompts = [[3, 4, 5, 3, 4], [9, 8, 7]]
+    want = plain_generate(fast, prompts, stop=stop)
+    got = speculative_generate(fast, DraftModelProposer(tiny_draft), prompts, stop=stop, k=k)
+    for p, g, w in zip(prompts, got, want):
+        assert_greedy_equal(fast, p, g.token_ids, w.token_ids)
+    assert sum(g.stats.accepted for g in got) > 0
+
+
+def test_a_fast_draft_works_with_a_transformers_target(tiny_target, tiny_draft):
+    fast_draft = FastLlamaLM(copy.deepcopy(tiny_draft.model))
+    stop = StopConditions(max_new_tokens=16)
+    want = plain_generate(tiny_target, [[5, 6, 7]], stop=stop)[0]
+    got = speculative_generate(tiny_target, DraftModelProposer(fast_draft), [[5, 6, 7]], stop=stop, k=3)[0]
+    assert_greedy_equal(tiny_target, [5, 6, 7], got.token_ids, want.token_ids)
+
+
+def test_prompt_lookup_on_the_fast_target_equals_its_plain_decoding(pair):
+    _, fast = pair
+    stop = StopConditions(max_new_tokens=20)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    want = plain_generate(fast, [prompt], stop=stop)[0]
+    got = speculative_generate(fast, PromptLookupProposer(), [prompt], stop=stop, k=4)[0]
+    assert_greedy_equal(fast, prompt, got.token_ids, want.token_ids)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 12])
+@pytest.mark.parametrize("kernel", ["auto", "nt", "linear"])
+def test_linear_kernels_agree_with_f_linear(rows, kernel):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, rows, 40, generator=gen)
+    w = torch.randn(24, 40, generator=gen)
+    torch.testing.assert_close(_linear(x, w, kernel), torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_reduced_precision_weights_stay_close(tiny_target):
+    fast = FastLlamaLM(copy.deepcopy(tiny_target.model), weight_dtype=torch.bfloat16)
+    ref = tiny_target
+    ids = torch.tensor([[3, 4, 5, 6]])
+    a = ref.forward(ref.new_cache(1), ids).logits
+    b = fast.forward(fast.new_cache(1), ids).logits
+    assert b.dtype == a.dtype
+    assert float((a - b).abs().max()) < 0.1 * float(a.abs().max())
+
+
+def test_transformers_module_still_runs_on_the_fused_weights(tiny_target):
+    model = copy.deepcopy(tiny_target.model)
+    before = CausalLM(copy.deepcopy(model)).forward(CausalLM(model).new_cache(1), torch.tensor([[3, 4]])).logits
+    FastLlamaLM(model)
+    after = CausalLM(model).forward(CausalLM(model).new_cache(1), torch.tensor([[3, 4]])).logits
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
+
+
+def test_refuses_a_model_it_cannot_run_with_a_clear_error():
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, attention_bias=True)
+    assert "bias" in supports_fast(config)
+    with pytest.raises(ModelLoadError, match="backend='hf'"):
+        FastLlamaLM(LlamaForCausalLM(config))
+
+
+def test_refuses_a_cache_from_another_backend(pair, tiny_target):
+    with pytest.raises(TypeError, match="new_cache"):
+        pair[1].forward(tiny_target.new_cache(1), torch.tensor([[1]]))
