@@ -84,8 +84,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--time-budget", type=float, default=None, help="minutes")
+    ap.add_argument("--backend", default="fast", help="model backend (see specdec.models.BACKENDS)")
     args = ap.parse_args(argv)
-    target = load_model(args.target)
+    target = load_model(args.target, backend=args.backend)
     generate(args.out, target, seed=args.seed, count=args.count, chunk=args.chunk,
              max_new_tokens=args.max_new_tokens,
              time_budget_s=None if args.time_budget is None else args.time_budget * 60)
