@@ -213,6 +213,9 @@ class Coordinator:
         session_id = check_session_id(req.session_id) if req.session_id else uuid.uuid4().hex
         await self.info()
         run = self.runs.get(session_id)
+        if run is not None and run.task is not None and (run.task.done() or run.task.cancelling()):
+            await asyncio.wait([run.task])  # a run being paused: let it finish writing, then continue from Redis
+            run = self.runs.get(session_id)
         if run is None:
             try:
                 rec = await self.store.load(session_id)

@@ -156,7 +156,12 @@ class ServerSettings:
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)]
+            ("grpc.max_receive_message_length", max_message_bytes),
+            # Reconnect quickly to a replica that restarted (gRPC's default backoff grows to 120 s),
+            # so a draft that comes back is drafting again within about a second.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 @dataclass

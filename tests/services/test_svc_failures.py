@@ -1,0 +1,185 @@
+"""Failures mid-session: the draft dies and comes back, the target restarts, a target replica
+goes away, the client disconnects or the coordinator restarts. Every session still completes
+with exactly the plain-decoding tokens: none lost, none repeated."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from coordinator.servicer import start_coordinator_server
+from specdec.decode import plain_generate
+from specdec.rpc.clients import CoordinatorClient
+from specdec.types import StopConditions
+from target_service.core import TargetSettings
+from tests.conftest import assert_greedy_equal
+from tests.services.stack import FAST, local_stack, run
+
+PROMPT = [3, 4, 10, 11, 12, 13, 14]
+SLOW = TargetSettings(artificial_delay_ms=10.0)  # steps slow enough to act in the middle of a session
+
+
+def _plain(lm, prompt, n):
+    return plain_generate(lm, [prompt], stop=StopConditions(max_new_tokens=n))[0].token_ids
+
+
+def _contiguous(chunks) -> list[int]:
+    """The streamed tokens, checking that each chunk starts where the previous ended (no gaps, no repeats)."""
+    out: list[int] = []
+    for ch in chunks:
+        assert ch.offset == len(out), f"chunk at offset {ch.offset} after {len(out)} tokens"
+        out += ch.token_ids
+    return out
+
+
+def test_draft_killed_mid_generation_falls_back_and_drafting_resumes_after_restart(redis_url, long_target,
+                                                                                  good_draft):
+    async def scenario():
+        # Fallback by plain target steps here (Lookahead is slow on this tiny model; its own test covers it).
+        async with local_stack(redis_url, long_target, good_draft, target_settings=SLOW, methods={}) as st:
+            chunks, sid = [], None
+            killed = restarted = False
+            async for ch in st.client.generate_stream(st.client.request(token_ids=PROMPT, max_tokens=100)):
+                chunks.append(ch)
+                sid = ch.session_id
+                n = sum(len(c.token_ids) for c in chunks)
+                if n >= 10 and not killed:
+                    await st.drafts[0].stop(0)  # the draft dies mid-generation
+                    killed = True
+                elif n >= 40 and not restarted:
+                    fresh = await st.restart_draft(0)
+                    restarted = True
+            proposes = sum(s.value for s in fresh.metrics.request_latency.collect()[0].samples
+                           if s.name.endswith("_count") and s.labels["method"] == "Propose")
+            return chunks, proposes, fresh.core.sessions.keys(), sid
+
+    chunks, proposes, fresh_sessions, sid = run(scenario())
+    tokens = _contiguous(chunks)
+    assert_greedy_equal(long_target, PROMPT, tokens, _plain(long_target, PROMPT, 100))
+    stats = chunks[-1].stats
+    assert stats["fallback_steps"] > 0, "the target never continued alone"
+    assert sid in fresh_sessions and proposes > 0, "drafting did not resume after the draft restarted"
+
+
+def test_target_restarted_mid_session_completes_from_redis(redis_url, long_target, weak_draft):
+    async def scenario():
+        async with local_stack(redis_url, long_target, weak_draft, target_settings=SLOW) as st:
+            chunks, port = [], st.targets[0].port
+            restarted = False
+            async for ch in st.client.generate_stream(st.client.request(token_ids=PROMPT, max_tokens=80)):
+                chunks.append(ch)
+                if sum(len(c.token_ids) for c in chunks) >= 20 and not restarted:
+                    await st.targets[0].stop(0)  # its KV caches are gone with it
+                    await asyncio.sleep(0.3)
+                    fresh = await st.start_target_on(port)
+                    restarted = True
+            return chunks, dict(fresh.core.prefills)
+
+    chunks, prefills = run(scenario())
+    tokens = _contiguous(chunks)
+    assert len(tokens) == 80
+    assert_greedy_equal(long_target, PROMPT, tokens, _plain(long_target, PROMPT, 80))
+    assert list(prefills.values()) == [1], "the restarted target should rebuild the session once, from Redis"
+
+
+def test_two_target_replicas_keep_sessions_and_stopping_one_moves_only_its_sessions(redis_url, long_target,
+                                                                                      weak_draft):
+    prompts = [[(5 * i + j) % 90 + 2 for j in range(4)] for i in range(8)]
+
+    async def scenario():
+        async with local_stack(redis_url, long_target, weak_draft, n_targets=2, target_settings=SLOW) as st:
+            tasks = [asyncio.create_task(st.client.generate(st.client.request(token_ids=p, max_tokens=60)))
+                     for p in prompts]
+            while sum(len(t.core.sessions) for t in st.targets) < len(prompts):
+                await asyncio.sleep(0.02)
+            before = [set(t.core.sessions) for t in st.targets]
+            assert not before[0] & before[1], "a session was served by both replicas"
+            assert before[0] and before[1], "consistent hashing put every session on one replica"
+            await st.targets[0].stop(0)
+            outs = await asyncio.gather(*tasks)
+            return outs, before, dict(st.targets[1].core.prefills)
+
+    outs, before, prefills = run(scenario())
+    for p, out in zip(prompts, outs):
+        assert_greedy_equal(long_target, p, out.token_ids, _plain(long_target, p, 60))
+    moved = {sid for sid, n in prefills.items() if sid in before[0]}
+    stayed = {sid: n for sid, n in prefills.items() if sid in before[1]}
+    assert moved == before[0] & set(prefills), "sessions of the stopped replica did not move"
+    assert set(stayed.values()) == {1}, "sessions on the surviving replica were rebuilt"
+
+
+def test_client_reconnecting_with_the_session_id_gets_the_rest_without_repeats(redis_url, long_target, weak_draft):
+    async def scenario():
+        async with local_stack(redis_url, long_target, weak_draft, target_settings=SLOW) as st:
+            first = []
+            async for ch in st.client.generate_stream(st.client.request(token_ids=PROMPT, max_tokens=50)):
+                first.append(ch)
+                if sum(len(c.token_ids) for c in first) >= 8:
+                    break  # the client goes away
+            sid = first[0].session_id
+            have = sum(len(c.token_ids) for c in first)
+            rest = [ch async for ch in st.client.generate_stream(st.client.request(session_id=sid,
+                                                                                    resume_from=have))]
+            return first, rest
+
+    first, rest = run(scenario())
+    tokens = _contiguous(first) + [t for ch in rest for t in ch.token_ids]
+    assert rest[0].offset == sum(len(c.token_ids) for c in first)
+    assert_greedy_equal(long_target, PROMPT, tokens, _plain(long_target, PROMPT, 50))
+
+
+def test_session_resumes_on_a_new_coordinator_from_redis(redis_url, long_target, weak_draft):
+    async def scenario():
+        async with local_stack(redis_url, long_target, weak_draft, target_settings=SLOW) as st:
+            first = []
+            async for ch in st.client.generate_stream(st.client.request(token_ids=PROMPT, max_tokens=40)):
+                first.append(ch)
+                if sum(len(c.token_ids) for c in first) >= 8:
+                    break
+            sid = first[0].session_id
+            await st.coord.stop(0)  # the coordinator goes away; its memory with it
+            coord = await start_coordinator_server(redis_url, [d.address for d in st.drafts],
+                                                   [t.address for t in st.targets], settings=FAST)
+            client = CoordinatorClient(coord.address)
+            try:
+                out = await client.generate(client.request(session_id=sid))
+            finally:
+                await client.close()
+                await coord.stop(0)
+            return out
+
+    out = run(scenario())
+    assert_greedy_equal(long_target, PROMPT, out.token_ids, _plain(long_target, PROMPT, 40))
+
+
+def test_client_cancellation_and_deadlines_stop_work_on_the_servers(redis_url, long_target, weak_draft):
+    async def target_forwards(st):
+        return st.targets[0].metrics.target_forwards._value.get()
+
+    async def scenario():
+        async with local_stack(redis_url, long_target, weak_draft, target_settings=SLOW) as st:
+            got = 0
+            async for ch in st.client.generate_stream(st.client.request(token_ids=PROMPT, max_tokens=400)):
+                got += len(ch.token_ids)
+                if got >= 5:
+                    break  # cancels the stream
+            sid = ch.session_id
+            await asyncio.sleep(0.3)
+            assert sid not in st.core.runs, "the run kept going after its only client left"
+            idle = await target_forwards(st)
+            await asyncio.sleep(0.4)
+            assert await target_forwards(st) == idle, "the target kept working for a cancelled client"
+            rec = await st.core.store.load(sid)
+            assert rec.status == "paused" and len(rec.generated) < 400
+
+            try:
+                await st.client.generate(st.client.request(token_ids=PROMPT, max_tokens=400), timeout=0.5)
+                raise AssertionError("the deadline did not end the call")
+            except Exception as exc:  # noqa: BLE001
+                assert type(exc).__name__ == "DeadlineExceeded", exc
+            await asyncio.sleep(0.3)
+            idle = await target_forwards(st)
+            await asyncio.sleep(0.4)
+            assert await target_forwards(st) == idle, "the target kept working past the client's deadline"
+
+    run(scenario())
