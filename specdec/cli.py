@@ -27,6 +27,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default=None, help="draft model directory for --method draft")
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
+    p.add_argument("--backend", default="hf", choices=["hf", "fast", "fast-bf16"],
+                   help="how the target runs: hf (transformers, any model), fast (specdec's Llama forward, same "
+                        "outputs, faster on CPU), fast-bf16 (LOSSY: bfloat16 weights)")
     p.set_defaults(func=_cmd_generate)
 
 
@@ -43,7 +46,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise SpecdecError("the prompt is empty")
     if args.method == "draft" and args.draft is None:
         raise SpecdecError("--method draft needs --draft DIR (a model sharing the target's vocabulary)")
-    engine = Engine(EngineConfig(target=args.target, draft=args.draft if args.method == "draft" else None))
+    engine = Engine(EngineConfig(target=args.target, draft=args.draft if args.method == "draft" else None,
+                                 backend=args.backend))
     out = engine.complete(args.prompt, method=args.method, sampling=sampling, stop=stop, k=k, chat=not args.no_chat)
     s = out.result.stats
     print(out.text)
@@ -53,10 +57,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from specdec.bench_cli import add_bench
+
+    add_bench(sub)
+
+
+def _add_cost_curve(sub: argparse._SubParsersAction) -> None:
+    from specdec.bench_cli import add_cost_curve
+
+    add_cost_curve(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_bench(sub)
+    _add_cost_curve(sub)
     return parser
 
 

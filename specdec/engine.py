@@ -21,6 +21,7 @@ class EngineConfig:
     target: Optional[str] = None  # None: the embedded default (SmolLM2-135M-Instruct)
     draft: Optional[str] = None  # a model directory sharing the target's vocabulary
     cache_dir: Optional[Path] = None  # where the embedded default is cached (None: ~/.cache/specdec)
+    backend: str = "hf"  # how the target runs: "hf" (transformers), "fast" (specdec's Llama forward), "fast-bf16"
 
 
 # Method name -> how to build its proposer from the engine. "plain" has none.
@@ -42,11 +43,23 @@ class Completion:
 class Engine:
     def __init__(self, config: EngineConfig = EngineConfig()):
         self.config = config
-        self.target: LoadedModel = load_model(config.target, cache_dir=config.cache_dir)
+        self.target: LoadedModel = load_model(config.target, cache_dir=config.cache_dir, backend=config.backend)
         self.draft: Optional[LoadedModel] = None
         if config.draft is not None:
             self.draft = load_model(config.draft, cache_dir=config.cache_dir)
             check_compatible(self.target, self.draft)
+
+    @classmethod
+    def from_models(cls, target: LoadedModel, draft: Optional[LoadedModel] = None,
+                    config: EngineConfig = EngineConfig()) -> "Engine":
+        """An engine over models already loaded (e.g. by the benchmark, on a chosen backend)."""
+        engine = cls.__new__(cls)
+        engine.config = config
+        engine.target = target
+        engine.draft = draft
+        if draft is not None:
+            check_compatible(target, draft)
+        return engine
 
     def require_draft(self) -> LoadedModel:
         if self.draft is None:

@@ -1,0 +1,562 @@
+"""`specdec bench`: specdec's methods side by side with the tools people already use.
+
+One run loads the target once and decodes the same prompts with every method:
+- the peers, through transformers `generate`: plain greedy (the baseline users know), assisted
+  generation with the same draft specdec uses (`assistant_model`), prompt lookup
+  (`prompt_lookup_num_tokens`);
+- every method in specdec.engine.METHODS at run time (plain, draft, prompt-lookup, medusa,
+  lookahead, ...), on each requested backend;
+- anything registered with `register_method` (e.g. specdec through the services).
+
+Methods are interleaved prompt by prompt (in a rotating order), so slow drift of a shared
+machine hits all of them alike. Per method and category the report gives tokens/s, speedup vs
+transformers' plain `generate` and vs specdec plain, tau (emitted tokens per target forward),
+alpha (accepted / drafted) and how many outputs equal the baseline's token for token. A
+speedup whose outputs differ does not count: the table says so.
+
+Limitations: wall-clock timing of whole requests (prefill included) at batch 1; tau/alpha of
+the transformers peers are derived by counting forward calls of their models (alpha is not
+reported for prompt lookup, whose drafts are not counted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from specdec.errors import InvalidRequest, SpecdecError
+from specdec.models import LoadedModel, early_exit_copy, format_prompt, load_model, wrap_model
+from specdec.types import StopConditions
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "dev_prompts.jsonl"
+BASELINE = "hf-generate"
+PLAIN = "plain"
+PEERS = ("hf-generate", "hf-assisted", "hf-prompt-lookup")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: Optional[str] = None  # None: the embedded default target
+    draft: str = "early-exit:4"  # a model directory, or early-exit:N (the target's first N layers)
+    prompts: Path = DEFAULT_PROMPTS  # jsonl rows with "id", "category", "turns" (first turn used)
+    per_category: int = 5  # prompts per category, a fixed seeded sample; 0 = all of them
+    categories: tuple[str, ...] = ()  # () = every category in the file
+    max_new_tokens: int = 128
+    k: int = 4  # tokens drafted per step (specdec draft / prompt-lookup; HF assisted's starting count)
+    prompt_lookup_tokens: int = 10  # HF prompt lookup's prompt_lookup_num_tokens (its documented example)
+    methods: tuple[str, ...] = ()  # () = every available method
+    backends: tuple[str, ...] = ("hf",)  # specdec backends to run its methods on (see models.BACKENDS)
+    out: Path = Path("bench/results")
+    seed: int = 0
+    threads: Optional[int] = None  # torch intra-op threads (None: leave torch's default)
+    device: str = "cpu"
+    warmup_tokens: int = 8  # each method decodes this many tokens once before timing (0: no warm-up)
+
+    def __post_init__(self) -> None:
+        if self.per_category < 0:
+            raise InvalidRequest("per_category must be >= 0 (0 = all prompts)")
+        if self.max_new_tokens < 1 or self.k < 1:
+            raise InvalidRequest("max_new_tokens and k must be >= 1")
+        if not self.backends:
+            raise InvalidRequest("give at least one backend")
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    id: str
+    category: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    method: str
+    prompt_id: str
+    category: str
+    token_ids: tuple[int, ...]
+    seconds: float
+    target_forwards: Optional[int] = None
+    drafted: Optional[int] = None
+    accepted: Optional[int] = None
+
+
+@dataclass
+class BenchContext:
+    """What method factories get: the loaded models and the settings."""
+
+    config: BenchConfig
+    target: LoadedModel  # transformers backend: its .lm.model is the transformers module
+    draft: Optional[LoadedModel]  # transformers backend
+    stop: StopConditions
+    engines: dict[str, Any] = field(default_factory=dict)  # backend -> specdec Engine
+
+
+# A runner decodes one prompt and returns its record (the harness fills in timing and names).
+Runner = Callable[[BenchPrompt], RunRecord]
+MethodFactory = Callable[[BenchContext], Runner]
+EXTRA_METHODS: dict[str, MethodFactory] = {}
+
+
+def register_method(name: str, factory: MethodFactory) -> None:
+    """Add a method to every benchmark run (e.g. specdec through its services)."""
+    if name in EXTRA_METHODS or name in PEERS:
+        raise ValueError(f"bench method {name!r} is already registered")
+    EXTRA_METHODS[name] = factory
+
+
+# --- prompts ----------------------------------------------------------------------------------
+
+def select_rows(rows: Sequence[dict], per_category: int, categories: Sequence[str], seed: int) -> list[dict]:
+    """A fixed, seeded sample of `per_category` rows per category (all when 0), interleaved
+    across categories, in a deterministic order."""
+    by_cat: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        by_cat[row["category"]].append(row)
+    wanted = list(categories) or sorted(by_cat)
+    unknown = [c for c in wanted if c not in by_cat]
+    if unknown:
+        raise InvalidRequest(f"no prompts in categories {unknown}; the file has {sorted(by_cat)}")
+    picked: list[list[dict]] = []
+    for cat in wanted:
+        pool = sorted(by_cat[cat], key=lambda r: str(r["id"]))
+        if per_category and per_category < len(pool):
+            pool = random.Random(f"{seed}:{cat}").sample(pool, per_category)
+        picked.append(pool)
+    out = []
+    for i in range(max(len(p) for p in picked)):
+        out += [p[i] for p in picked if i < len(p)]
+    return out
+
+
+def load_prompts(config: BenchConfig, tokenizer) -> list[BenchPrompt]:
+    path = Path(config.prompts)
+    if not path.is_file():
+        raise InvalidRequest(f"prompt file not found: {path}")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [BenchPrompt(str(r["id"]), r["category"], tuple(format_prompt(tokenizer, r["turns"][0])))
+            for r in select_rows(rows, config.per_category, config.categories, config.seed)]
+
+
+# --- the transformers peers -------------------------------------------------------------------
+
+class _CallCounter:
+    """Counts forward calls of a module (one per target forward pass)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.calls = 0
+        module.register_forward_hook(self._hook)
+
+    def _hook(self, *_):
+        self.calls += 1
+
+
+def _hf_runner(ctx: BenchContext, **generate_kwargs) -> Runner:
+    model = ctx.target.lm.model
+    counter = getattr(model, "_specdec_bench_counter", None) or _CallCounter(model)
+    model._specdec_bench_counter = counter
+    assistant = generate_kwargs.get("assistant_model")
+    draft_counter = None
+    if assistant is not None:
+        draft_counter = getattr(assistant, "_specdec_bench_counter", None) or _CallCounter(assistant)
+        assistant._specdec_bench_counter = draft_counter
+    eos = list(ctx.stop.eos_token_ids)
+    pad = eos[0] if eos else 0
+    device = ctx.target.lm.device
+
+    def run(prompt: BenchPrompt) -> RunRecord:
+        ids = torch.tensor([prompt.token_ids], device=device)
+        before = counter.calls
+        drafts_before = draft_counter.calls if draft_counter else 0
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=ctx.stop.max_new_tokens, eos_token_id=eos or None,
+                                 pad_token_id=pad, **generate_kwargs)
+        tokens = tuple(int(t) for t in out[0, ids.shape[1]:].tolist())
+        forwards = counter.calls - before
+        drafted = accepted = None
+        if draft_counter is not None:  # one assistant call per drafted token (its prefill included)
+            drafted = draft_counter.calls - drafts_before
+            accepted = max(len(tokens) - forwards, 0)
+        return RunRecord("", prompt.id, prompt.category, tokens, 0.0, forwards, drafted, accepted)
+
+    return run
+
+
+def _hf_generate(ctx: BenchContext) -> Runner:
+    return _hf_runner(ctx)
+
+
+def _hf_assisted(ctx: BenchContext) -> Runner:
+    if ctx.draft is None:
+        raise InvalidRequest("no draft model")
+    assistant = ctx.draft.lm.model
+    assistant.generation_config.num_assistant_tokens = ctx.config.k  # HF then adapts it (heuristic schedule)
+    return _hf_runner(ctx, assistant_model=assistant)
+
+
+def _hf_prompt_lookup(ctx: BenchContext) -> Runner:
+    return _hf_runner(ctx, prompt_lookup_num_tokens=ctx.config.prompt_lookup_tokens)
+
+
+PEER_FACTORIES: dict[str, MethodFactory] = {
+    "hf-generate": _hf_generate,
+    "hf-assisted": _hf_assisted,
+    "hf-prompt-lookup": _hf_prompt_lookup,
+}
+
+
+# --- specdec methods --------------------------------------------------------------------------
+
+def method_label(method: str, backend: str, backends: Sequence[str]) -> str:
+    """Table name of a specdec method: the engine's name, with the backend when several run."""
+    return method if len(backends) == 1 else f"{method}@{backend}"
+
+
+def _specdec_runner(ctx: BenchContext, method: str, backend: str) -> Runner:
+    from specdec.decode import KSchedule, plain_generate, speculative_generate
+    from specdec.engine import METHODS
+
+    engine = ctx.engines[backend]
+    builder = METHODS[method]
+    if builder is not None:
+        builder(engine)  # fail now (e.g. missing Medusa heads), not on the first prompt
+    lm = engine.target.lm
+
+    def run(prompt: BenchPrompt) -> RunRecord:
+        ids = [list(prompt.token_ids)]
+        if builder is None:
+            t0 = time.perf_counter()
+            res = plain_generate(lm, ids, stop=ctx.stop)[0]
+        else:
+            proposer = builder(engine)  # fresh per prompt, built before the clock starts
+            t0 = time.perf_counter()
+            res = speculative_generate(lm, proposer, ids, stop=ctx.stop, k=KSchedule(k=ctx.config.k))[0]
+        dt = time.perf_counter() - t0
+        s = res.stats
+        return RunRecord("", prompt.id, prompt.category, tuple(res.token_ids), dt, s.target_forwards,
+                         s.drafted if builder is not None else None, s.accepted if builder is not None else None)
+
+    return run
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+def load_draft_for_bench(spec: str, target: LoadedModel, device: str) -> LoadedModel:
+    """`early-exit:N`: the target's first N layers (an untrained draft); else a model directory."""
+    from specdec.models import check_compatible
+
+    if spec.startswith("early-exit:"):
+        try:
+            n = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise InvalidRequest(f"bad draft spec {spec!r}; use early-exit:N or a directory") from None
+        lm = early_exit_copy(target.lm, n)
+        lm.model.to(device)
+        return LoadedModel(lm=lm, tokenizer=target.tokenizer, path=spec)
+    draft = load_model(spec, device=device)
+    check_compatible(target, draft)
+    return draft
+
+
+def build_context(config: BenchConfig, target: Optional[LoadedModel] = None,
+                  draft: Optional[LoadedModel] = None) -> BenchContext:
+    """Load (or adopt) the models and build one specdec Engine per backend over the same weights."""
+    from specdec.engine import Engine, EngineConfig
+
+    if target is None:
+        target = load_model(config.target, device=config.device, backend="hf")
+    if draft is None and config.draft:
+        draft = load_draft_for_bench(config.draft, target, config.device)
+    eos = target.lm.eos_token_ids
+    ctx = BenchContext(config, target, draft, StopConditions(max_new_tokens=config.max_new_tokens, eos_token_ids=eos))
+    for backend in config.backends:
+        ctx.engines[backend] = Engine.from_models(_on_backend(target, backend),
+                                                  None if draft is None else _on_backend(draft, backend),
+                                                  EngineConfig(target=config.target))
+    return ctx
+
+
+def _on_backend(loaded: LoadedModel, backend: str) -> LoadedModel:
+    """The same weights behind another backend's adapter. Models the fast backend cannot run, and
+    adapters with their own forward (e.g. subset-head drafts), stay as they are."""
+    from specdec.fast import supports_fast
+    from specdec.lm import CausalLM
+
+    from specdec.fast import FastLlamaLM
+
+    if backend == "hf":
+        return replace(loaded, lm=CausalLM(loaded.lm.model, loaded.lm.name)) if isinstance(loaded.lm, FastLlamaLM) \
+            else loaded
+    if type(loaded.lm) is not CausalLM or supports_fast(loaded.lm.config) is not None:
+        return loaded
+    return LoadedModel(wrap_model(loaded.lm.model, loaded.lm.name, backend), loaded.tokenizer, loaded.path)
+
+
+def available_methods(ctx: BenchContext) -> tuple[dict[str, Runner], dict[str, str]]:
+    """(label -> runner, label -> why unavailable) for the configured methods."""
+    from specdec.engine import METHODS
+
+    cfg = ctx.config
+    wanted = list(cfg.methods)
+    runners: dict[str, Runner] = {}
+    missing: dict[str, str] = {}
+    candidates: list[tuple[str, Callable[[], Runner]]] = []
+    for name, factory in PEER_FACTORIES.items():
+        candidates.append((name, lambda f=factory: f(ctx)))
+    for method in METHODS:
+        for backend in cfg.backends:
+            candidates.append((method_label(method, backend, cfg.backends),
+                               lambda m=method, b=backend: _specdec_runner(ctx, m, b)))
+    for name, factory in EXTRA_METHODS.items():
+        candidates.append((name, lambda f=factory: f(ctx)))
+    known = {label for label, _ in candidates} | set(METHODS)
+    unknown = [m for m in wanted if m not in known]
+    if unknown:
+        raise InvalidRequest(f"unknown bench methods {unknown}; known: {', '.join(sorted(known))}")
+    for label, make in candidates:
+        base = label.split("@")[0]
+        if wanted and label not in wanted and base not in wanted:
+            continue
+        try:
+            runners[label] = make()
+        except (SpecdecError, OSError, ValueError, KeyError) as exc:
+            missing[label] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if BASELINE not in runners:
+        raise InvalidRequest(f"the benchmark needs its baseline {BASELINE!r} among the methods")
+    return runners, missing
+
+
+# --- running ----------------------------------------------------------------------------------
+
+def run_interleaved(runners: dict[str, Runner], prompts: Sequence[BenchPrompt],
+                    progress: Optional[Callable[[str], None]] = None) -> list[RunRecord]:
+    """Every method on every prompt, prompt by prompt; the method order rotates per prompt."""
+    names = list(runners)
+    records = []
+    for i, prompt in enumerate(prompts):
+        order = names[i % len(names):] + names[: i % len(names)]
+        for name in order:
+            t0 = time.perf_counter()
+            rec = runners[name](prompt)
+            dt = time.perf_counter() - t0
+            rec = replace(rec, method=name, seconds=rec.seconds or dt)
+            records.append(rec)
+            if progress:
+                progress(f"[{i + 1}/{len(prompts)}] {prompt.category:13s} {name:20s} {len(rec.token_ids):4d} tok "
+                         f"{rec.seconds:6.2f} s")
+    return records
+
+
+@dataclass(frozen=True)
+class Row:
+    method: str
+    category: str
+    prompts: int
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    speedup_vs_hf: Optional[float]
+    speedup_vs_plain: Optional[float]
+    tau: Optional[float]
+    alpha: Optional[float]
+    equal_hf: int  # outputs identical to transformers' plain generate
+    equal_plain: Optional[int]  # outputs identical to specdec plain (same backend)
+
+
+def summarize(records: Sequence[RunRecord], methods: Sequence[str]) -> list[Row]:
+    by = defaultdict(list)
+    for r in records:
+        by[(r.method, r.category)].append(r)
+        by[(r.method, "all")].append(r)
+    ref = {(r.prompt_id): r.token_ids for r in records if r.method == BASELINE}
+    categories = sorted({r.category for r in records}) + ["all"]
+
+    def plain_of(method: str) -> Optional[str]:
+        backend = method.split("@")[1] if "@" in method else None
+        name = f"{PLAIN}@{backend}" if backend else PLAIN
+        return name if any(r.method == name for r in records) else None
+
+    plain_out = {(r.method, r.prompt_id): r.token_ids for r in records}
+    rows = []
+    for cat in categories:
+        tps = {}
+        for m in methods:
+            rs = by.get((m, cat), [])
+            secs = sum(r.seconds for r in rs)
+            tps[m] = sum(len(r.token_ids) for r in rs) / secs if secs > 0 else 0.0
+        for m in methods:
+            rs = by.get((m, cat), [])
+            if not rs:
+                continue
+            fw = [r.target_forwards for r in rs]
+            dr = [r.drafted for r in rs]
+            ac = [r.accepted for r in rs]
+            tokens = sum(len(r.token_ids) for r in rs)
+            p = plain_of(m)
+            rows.append(Row(
+                method=m, category=cat, prompts=len(rs), tokens=tokens, seconds=sum(r.seconds for r in rs),
+                tokens_per_s=tps[m],
+                speedup_vs_hf=tps[m] / tps[BASELINE] if tps.get(BASELINE) else None,
+                speedup_vs_plain=tps[m] / tps[p] if p and tps.get(p) else None,
+                tau=tokens / sum(fw) if None not in fw and sum(fw) else None,
+                alpha=sum(ac) / sum(dr) if None not in dr and None not in ac and sum(dr) else None,
+                equal_hf=sum(r.token_ids == ref.get(r.prompt_id) for r in rs),
+                equal_plain=sum(r.token_ids == plain_out.get((p, r.prompt_id)) for r in rs) if p else None,
+            ))
+    return rows
+
+
+# --- reporting --------------------------------------------------------------------------------
+
+def _f(x: Optional[float], fmt: str = "{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def markdown_report(rows: Sequence[Row], missing: dict[str, str], meta: dict) -> str:
+    methods = list(dict.fromkeys(r.method for r in rows))
+    categories = list(dict.fromkeys(r.category for r in rows))
+    overall = {r.method: r for r in rows if r.category == "all"}
+    lines = [
+        "# specdec benchmark",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"{meta['when']} · {meta['machine']} · torch {meta['torch']} ({meta['threads']} threads) · "
+        f"target {meta['target']} · draft {meta['draft']} · backends {', '.join(meta['backends'])} · "
+        f"{meta['prompts']} prompts ({meta['per_category']} per category), greedy, max {meta['max_new_tokens']} "
+        f"new tokens, k={meta['k']} · load average {meta['load_before']} -> {meta['load_after']}",
+        "",
+        "Speedups are ratios of tokens/s over the same prompts in the same interleaved run. "
+        "`=HF`: outputs identical token for token to transformers' plain `generate` (the baseline); "
+        "`=plain`: identical to specdec plain on the same backend. A speedup with different output does not count.",
+        "",
+        "## Overall",
+        "",
+        "| method | tok/s | x HF generate | x specdec plain | tau | alpha | =HF | =plain |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for m in methods:
+        r = overall[m]
+        lines.append(f"| {m} | {r.tokens_per_s:.1f} | {_f(r.speedup_vs_hf)} | {_f(r.speedup_vs_plain)} | "
+                     f"{_f(r.tau)} | {_f(r.alpha)} | {r.equal_hf}/{r.prompts} | "
+                     f"{'-' if r.equal_plain is None else f'{r.equal_plain}/{r.prompts}'} |")
+    lines += ["", "## Speedup vs HF generate, by category", "",
+              "| method | " + " | ".join(categories) + " |", "|---|" + "---:|" * len(categories)]
+    cell = {(r.method, r.category): r for r in rows}
+    for m in methods:
+        lines.append(f"| {m} | " + " | ".join(
+            _f(cell[(m, c)].speedup_vs_hf) + ("" if cell[(m, c)].equal_hf == cell[(m, c)].prompts else " ≠")
+            if (m, c) in cell else "-" for c in categories) + " |")
+    lines += ["", "≠: at least one output differs from HF generate's in that cell.", "",
+              "## Per method and category", "",
+              "| method | category | prompts | tokens | tok/s | x HF | x plain | tau | alpha | =HF | =plain |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.category == "all":
+            continue
+        lines.append(f"| {r.method} | {r.category} | {r.prompts} | {r.tokens} | {r.tokens_per_s:.1f} | "
+                     f"{_f(r.speedup_vs_hf)} | {_f(r.speedup_vs_plain)} | {_f(r.tau)} | {_f(r.alpha)} | "
+                     f"{r.equal_hf}/{r.prompts} | {'-' if r.equal_plain is None else f'{r.equal_plain}/{r.prompts}'} |")
+    if missing:
+        lines += ["", "## Not run", ""] + [f"- {m}: {why}" for m, why in missing.items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot_speedups(rows: Sequence[Row], path: Path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(r.method for r in rows))
+    categories = list(dict.fromkeys(r.category for r in rows))
+    cell = {(r.method, r.category): r for r in rows}
+    width = 0.8 / max(len(methods), 1)
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(categories) + 0.3 * len(methods)), 4.8))
+    for i, m in enumerate(methods):
+        xs, ys, hatches = [], [], []
+        for j, c in enumerate(categories):
+            r = cell.get((m, c))
+            if r is None or r.speedup_vs_hf is None:
+                continue
+            xs.append(j - 0.4 + width * (i + 0.5))
+            ys.append(r.speedup_vs_hf)
+            hatches.append("" if r.equal_hf == r.prompts else "//")
+        bars = ax.bar(xs, ys, width, label=m)
+        for bar, h in zip(bars, hatches):
+            bar.set_hatch(h)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(categories)), categories)
+    ax.set_ylabel("speedup vs transformers generate (tok/s ratio)")
+    ax.set_title(title or "specdec benchmark (hatched: output differs from HF generate)")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --- the whole run ----------------------------------------------------------------------------
+
+def run_bench(config: BenchConfig, command: str = "specdec bench", target: Optional[LoadedModel] = None,
+              draft: Optional[LoadedModel] = None, prompts: Optional[Sequence[BenchPrompt]] = None,
+              progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Run the benchmark and write results.md, speedup.png and results.json to config.out."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    load_before = _loadavg()
+    ctx = build_context(config, target, draft)
+    if prompts is None:
+        if ctx.target.tokenizer is None:
+            raise InvalidRequest("the target has no tokenizer; pass token-id prompts")
+        prompts = load_prompts(config, ctx.target.tokenizer)
+    runners, missing = available_methods(ctx)
+    if progress:
+        progress(f"{len(prompts)} prompts x {len(runners)} methods: {', '.join(runners)}")
+        for m, why in missing.items():
+            progress(f"skipping {m}: {why}")
+    if config.warmup_tokens and prompts:  # first calls pay one-off costs (allocations, lazy tables)
+        saved = ctx.stop
+        ctx.stop = replace(saved, max_new_tokens=config.warmup_tokens)
+        run_interleaved(runners, prompts[:1])
+        ctx.stop = saved
+    records = run_interleaved(runners, prompts, progress=progress)
+    rows = summarize(records, list(runners))
+    meta = {
+        "command": command, "when": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(config.device),
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "target": ctx.target.lm.name,
+        "draft": ctx.draft.path if ctx.draft is not None else "none", "backends": list(config.backends),
+        "prompts": len(prompts), "per_category": config.per_category or "all",
+        "max_new_tokens": config.max_new_tokens, "k": config.k, "load_before": load_before,
+        "load_after": _loadavg(),
+    }
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(markdown_report(rows, missing, meta))
+    plot_speedups(rows, out / "speedup.png")
+    result = {"meta": meta, "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+              "rows": [asdict(r) for r in rows], "missing": missing, "records": [asdict(r) for r in records]}
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _loadavg() -> str:
+    try:
+        return "{:.1f}".format(os.getloadavg()[0])
+    except OSError:
+        return "?"
+
+
+def _machine(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"

@@ -1,0 +1,125 @@
+"""`specdec bench` and `specdec cost-curve`: argument parsing only (the work is in bench.py and
+costmodel.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from specdec.errors import SpecdecError
+
+_BACKENDS = ("hf", "fast", "fast-bf16")
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def parse_ks(text: str) -> list[int]:
+    """'1-8,12,16' -> [1, 2, ..., 8, 12, 16]."""
+    ks: set[int] = set()
+    try:
+        for part in _csv(text):
+            lo, _, hi = part.partition("-")
+            ks.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise SpecdecError(f"bad --ks {text!r}: use e.g. 1-16,24,32") from None
+    if not ks or min(ks) < 1:
+        raise SpecdecError(f"bad --ks {text!r}: block sizes must be >= 1")
+    return sorted(ks)
+
+
+def add_bench(sub: argparse._SubParsersAction) -> None:
+    from specdec.bench import DEFAULT_PROMPTS
+
+    p = sub.add_parser("bench", help="benchmark every method against transformers' generate, assisted "
+                                     "generation and prompt lookup; write a Markdown table and a plot")
+    p.add_argument("--out", default="bench/results", help="output folder (default bench/results)")
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="jsonl prompt file (id, category, turns)")
+    p.add_argument("--per-category", type=int, default=5, help="prompts per category, seeded sample (default 5)")
+    p.add_argument("--all", action="store_true", help="every prompt in the file (overrides --per-category)")
+    p.add_argument("--categories", default="", help="comma-separated categories (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=4, help="tokens drafted per step (default 4)")
+    p.add_argument("--methods", default="",
+                   help="comma-separated methods (default: every available: hf-generate, hf-assisted, "
+                        "hf-prompt-lookup and every specdec method)")
+    p.add_argument("--backend", default="hf",
+                   help=f"specdec backend(s) to run its methods on, comma-separated: {', '.join(_BACKENDS)}")
+    p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default="early-exit:4",
+                   help="draft for specdec draft and HF assisted: a model directory, or early-exit:N "
+                        "(the target's first N layers; default early-exit:4)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt sample")
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from specdec.bench import BenchConfig, run_bench
+
+    backends = _csv(args.backend)
+    bad = [b for b in backends if b not in _BACKENDS]
+    if bad or not backends:
+        raise SpecdecError(f"unknown backend(s) {bad}; choose from {', '.join(_BACKENDS)}")
+    if not Path(args.prompts).is_file():
+        raise SpecdecError(f"prompt file not found: {args.prompts}")
+    config = BenchConfig(
+        target=args.target, draft=args.draft, prompts=Path(args.prompts),
+        per_category=0 if args.all else args.per_category, categories=_csv(args.categories),
+        max_new_tokens=args.max_new_tokens, k=args.k, methods=_csv(args.methods), backends=backends,
+        out=Path(args.out), seed=args.seed, threads=args.threads, device=args.device,
+    )
+    command = "specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] \
+        else "specdec bench"
+    run_bench(config, command=command, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print((Path(args.out) / "results.md").read_text())
+    print(f"wrote {args.out}/results.md, {args.out}/speedup.png, {args.out}/results.json", file=sys.stderr)
+    return 0
+
+
+def add_cost_curve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cost-curve", help="measure v(k) = time of a target forward over k new tokens / over 1")
+    p.add_argument("--ks", default="1-16,20,24,32,48,64", help="block sizes, e.g. 1-64 (default 1-16,20,24,32,48,64)")
+    p.add_argument("--context", type=int, default=256, help="tokens already in the KV cache (default 256)")
+    p.add_argument("--repeats", type=int, default=5, help="timed forwards per block size (median; default 5)")
+    p.add_argument("--backend", default="hf", choices=list(_BACKENDS))
+    p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write {k: v(k)} here")
+    p.set_defaults(func=_cmd_cost_curve)
+
+
+def _cmd_cost_curve(args: argparse.Namespace) -> int:
+    import torch
+
+    from specdec.costmodel import measure_forward_times
+    from specdec.models import load_model
+
+    ks = parse_ks(args.ks)
+    if args.repeats < 1 or args.context < 1:
+        raise SpecdecError("--repeats and --context must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load_model(args.target, device=args.device, backend=args.backend).lm
+    curve: dict[int, float] = {}
+
+    def record(k: int, v: float) -> None:  # v(k) against the 1-token forwards timed alongside k
+        curve[k] = 1.0 if k == 1 else v
+        print(f"k={k:<3d} v={curve[k]:.2f}", file=sys.stderr, flush=True)
+
+    times, t1 = measure_forward_times(lm, ks, context_len=args.context, repeats=args.repeats, progress=record)
+    print(f"# {lm.name}, backend {args.backend}, {torch.get_num_threads()} threads, context {args.context}, "
+          f"1-token forward {t1 * 1e3:.1f} ms")
+    print("k\tv(k)\tms")
+    for k in ks:
+        print(f"{k}\t{curve[k]:.2f}\t{times[k] * 1e3:.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"backend": args.backend, "context": args.context,
+                                               "one_token_ms": t1 * 1e3, "v": {str(k): curve[k] for k in ks}}))
+    return 0

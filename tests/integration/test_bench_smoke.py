@@ -1,0 +1,76 @@
+"""The benchmark end to end on a tiny model and 2 prompts, so it cannot rot."""
+
+import json
+
+import pytest
+
+from specdec.bench import BASELINE, BenchConfig, BenchPrompt, run_bench, select_rows, summarize, RunRecord
+from specdec.errors import InvalidRequest
+from specdec.models import LoadedModel, perturbed_copy, tiny_llama
+
+PROMPTS = [BenchPrompt("a", "code", (3, 4, 5, 6, 3, 4, 5)), BenchPrompt("b", "chat", (9, 8, 7, 9, 8))]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    target = tiny_llama(seed=0, vocab_size=96, num_layers=2, hidden_size=48)
+    draft = perturbed_copy(target, noise=0.25, seed=1)
+    config = BenchConfig(max_new_tokens=12, k=3, out=out, backends=("hf", "fast"), warmup_tokens=2)
+    result = run_bench(config, target=LoadedModel(target, None, "tiny"), draft=LoadedModel(draft, None, "tiny-draft"),
+                       prompts=PROMPTS)
+    return out, result
+
+
+def test_bench_writes_the_table_the_plot_and_the_raw_results(tiny_run):
+    out, _ = tiny_run
+    assert (out / "results.md").read_text().startswith("# specdec benchmark")
+    assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "results.json").read_text())["records"]
+
+
+def test_bench_runs_the_peers_and_every_engine_method_on_every_backend(tiny_run):
+    from specdec.engine import METHODS
+
+    _, result = tiny_run
+    ran = {r["method"] for r in result["records"]}
+    assert {"hf-generate", "hf-assisted", "hf-prompt-lookup"} <= ran
+    for method in METHODS:
+        for backend in ("hf", "fast"):
+            label = f"{method}@{backend}"
+            assert label in ran or label in result["missing"], label
+
+
+def test_bench_lossless_methods_reproduce_the_baseline_on_the_tiny_model(tiny_run):
+    _, result = tiny_run
+    overall = {r["method"]: r for r in result["rows"] if r["category"] == "all"}
+    for name in ("hf-generate", "plain@hf", "plain@fast", "draft@hf", "draft@fast", "prompt-lookup@fast"):
+        assert overall[name]["equal_hf"] == len(PROMPTS), name
+
+
+def test_bench_reports_tau_and_alpha_for_speculative_methods(tiny_run):
+    _, result = tiny_run
+    overall = {r["method"]: r for r in result["rows"] if r["category"] == "all"}
+    assert overall["draft@hf"]["tau"] > 1.0 and 0.0 < overall["draft@hf"]["alpha"] <= 1.0
+    assert overall["plain@hf"]["tau"] == 1.0 and overall["plain@hf"]["alpha"] is None
+    assert overall[BASELINE]["speedup_vs_hf"] == 1.0
+
+
+def test_select_rows_is_a_fixed_sample_per_category():
+    rows = [{"id": f"{c}{i}", "category": c} for c in "xy" for i in range(10)]
+    a = select_rows(rows, 3, (), seed=0)
+    assert a == select_rows(rows, 3, (), seed=0)
+    assert sorted(r["category"] for r in a) == ["x"] * 3 + ["y"] * 3
+    assert len(select_rows(rows, 0, ("y",), seed=0)) == 10
+
+
+def test_select_rows_rejects_an_unknown_category():
+    with pytest.raises(InvalidRequest, match="categories"):
+        select_rows([{"id": "1", "category": "x"}], 1, ("nope",), seed=0)
+
+
+def test_summarize_flags_an_output_that_differs_from_the_baseline():
+    recs = [RunRecord(BASELINE, "p", "c", (1, 2), 1.0, 2), RunRecord("m", "p", "c", (1, 3), 0.5, 1, 1, 0)]
+    rows = {r.method: r for r in summarize(recs, [BASELINE, "m"]) if r.category == "all"}
+    assert rows["m"].equal_hf == 0 and rows[BASELINE].equal_hf == 1
+    assert rows["m"].speedup_vs_hf == pytest.approx(2.0)
