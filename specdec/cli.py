@@ -30,16 +30,29 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="hf", choices=["hf", "fast", "fast-bf16"],
                    help="how the target runs: hf (transformers, any model), fast (specdec's Llama forward, same "
                         "outputs, faster on CPU), fast-bf16 (LOSSY: bfloat16 weights)")
+    p.add_argument("--heads", default=None, metavar="DIR",
+                   help="Medusa heads directory for --method medusa (default: the heads shipped for the target)")
+    p.add_argument("--tree", default=None,
+                   help="Medusa tree: auto (default, measured), chain, a node count N, or JSON paths like [[0],[0,0],[1]]")
+    p.add_argument("--typical", action="store_true",
+                   help="LOSSY: Medusa typical acceptance when sampling (output no longer follows the target's distribution)")
+    p.add_argument("--posterior-threshold", type=float, default=0.09, help="typical acceptance epsilon (default 0.09)")
+    p.add_argument("--posterior-alpha", type=float, default=0.3, help="typical acceptance delta (default 0.3)")
     p.set_defaults(func=_cmd_generate)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from specdec.decode import KSchedule
     from specdec.engine import Engine, EngineConfig
-    from specdec.types import SamplingParams, StopConditions
+    from specdec.types import SamplingParams, StopConditions, TypicalAcceptance
 
     # Validate everything cheap before loading models.
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    typical = TypicalAcceptance(args.posterior_threshold, args.posterior_alpha) if args.typical else None
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              typical=typical)
+    if typical is not None and sampling.greedy:
+        print("specdec: note: --typical has no effect under greedy decoding (temperature 0), which stays exact",
+              file=sys.stderr)
     stop = StopConditions(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop))
     k = KSchedule(k=args.k, adaptive=args.adaptive_k, k_max=max(args.k_max, args.k))
     if not args.prompt.strip():
@@ -47,11 +60,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.method == "draft" and args.draft is None:
         raise SpecdecError("--method draft needs --draft DIR (a model sharing the target's vocabulary)")
     engine = Engine(EngineConfig(target=args.target, draft=args.draft if args.method == "draft" else None,
-                                 backend=args.backend))
+                                 backend=args.backend, medusa_heads=args.heads, medusa_tree=args.tree))
     out = engine.complete(args.prompt, method=args.method, sampling=sampling, stop=stop, k=k, chat=not args.no_chat)
     s = out.result.stats
     print(out.text)
-    print(f"[{args.method}] {s.emitted} tokens in {s.elapsed_s:.2f} s: {s.tokens_per_s:.1f} tok/s, "
+    label = args.method + (", typical acceptance: LOSSY" if typical is not None and not sampling.greedy else "")
+    print(f"[{label}] {s.emitted} tokens in {s.elapsed_s:.2f} s: {s.tokens_per_s:.1f} tok/s, "
           f"tau {s.tau:.2f}, alpha {s.alpha:.2f}, target forwards {s.target_forwards}, "
           f"finish {out.result.finish_reason}")
     return 0
@@ -69,10 +83,44 @@ def _add_cost_curve(sub: argparse._SubParsersAction) -> None:
     add_cost_curve(sub)
 
 
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train proposers for a target")
+    tsub = p.add_subparsers(dest="train_command", required=True)
+    _add_train_medusa(tsub)
+
+
+def _add_train_medusa(tsub: argparse._SubParsersAction) -> None:
+    p = tsub.add_parser("medusa", help="train Medusa heads on a frozen target from its self-distilled answers")
+    p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="output directory: heads + config (and checkpoint.pt, hidden/ cache)")
+    p.add_argument("--data", action="append", default=None,
+                   help="self-distilled data: .jsonl(.gz) files, directories or globs (repeatable; "
+                        "default data/selfdistill)")
+    p.add_argument("--heads", type=int, default=4, help="number of heads K (default 4)")
+    p.add_argument("--layers", type=int, default=1, help="residual blocks per head (default 1)")
+    p.add_argument("--vocab", type=int, default=8192, help="draftable tokens, most frequent first (0 = all)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="MIN", help="minutes of training (default 30)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    p.add_argument("--batch", type=int, default=512, help="hidden states per step (default 512)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--checkpoint-every", type=float, default=3.0, metavar="MIN", help="minutes between checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue the run checkpointed in --out")
+    p.add_argument("--pick-tree", type=int, default=0, metavar="N",
+                   help="time trees on N held-out prompts on this machine and record the fastest as the default")
+    p.set_defaults(func=_cmd_train_medusa)
+
+
+def _cmd_train_medusa(args: argparse.Namespace) -> int:
+    from specdec.training.medusa import run_training_cli
+
+    return run_training_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_train(sub)
     _add_bench(sub)
     _add_cost_curve(sub)
     return parser

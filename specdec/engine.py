@@ -11,6 +11,7 @@ from specdec.decode import KSchedule, plain_generate, speculative_generate
 from specdec.errors import InvalidRequest
 from specdec.models import LoadedModel, check_compatible, format_prompt, load_model
 from specdec.proposers import make_proposer
+from specdec.proposers.medusa import medusa_for_engine
 from specdec.proposers.base import Proposer
 from specdec.stopping import cut_at_stop_string
 from specdec.types import GenerationResult, SamplingParams, StopConditions
@@ -21,6 +22,8 @@ class EngineConfig:
     target: Optional[str] = None  # None: the embedded default (SmolLM2-135M-Instruct)
     draft: Optional[str] = None  # a model directory sharing the target's vocabulary
     cache_dir: Optional[Path] = None  # where the embedded default is cached (None: ~/.cache/specdec)
+    medusa_heads: Optional[str] = None  # Medusa heads directory (None: the heads shipped for the target)
+    medusa_tree: Optional[str] = None  # Medusa tree: None/"auto", "chain", a node count, or JSON paths
     backend: str = "hf"  # how the target runs: "hf" (transformers), "fast" (specdec's Llama forward), "fast-bf16"
 
 
@@ -30,6 +33,7 @@ METHODS: dict[str, Optional[ProposerBuilder]] = {
     "plain": None,
     "prompt-lookup": lambda engine: make_proposer("prompt_lookup"),
     "draft": lambda engine: make_proposer("draft_model", draft=engine.require_draft().lm),
+    "medusa": lambda engine: medusa_for_engine(engine),
 }
 
 

@@ -1,0 +1,157 @@
+"""Medusa proposer: the heads read the target's hidden state and draft a tree of candidates
+that the target verifies in its next forward (Cai et al. 2024, Medusa-1).
+
+Per step and row: the heads turn `ctx.target_hidden[b]` (the state whose logits produced the
+last committed token) into K next-token distributions for the positions after it; the tree
+(a list of paths, compiled once) picks, for each node at depth d, one of head d-1's top
+candidates. The loop verifies the whole tree in one forward with a tree attention mask and
+keeps the accepted path's KV entries.
+
+Acceptance is the loop's: greedy (lossless, the default); sampling along the tree is exact,
+because the candidates are a deterministic function of the hidden state (one-hot draft
+distributions); typical acceptance is the opt-in lossy mode (`SamplingParams.typical`).
+
+Tree choice (`tree=`): "auto" (the heads' recorded default, picked by measurement on the
+hardware named in their config; else a greedy tree of AUTO_SIZE nodes), "chain", a number N
+(the N-node tree that maximizes expected accepted length under the heads' measured per-rank
+accuracies), a JSON list of paths, or a .json file holding one. A row never drafts deeper
+than its ctx.k.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from specdec.errors import InvalidRequest, ModelLoadError
+from specdec.lm import CausalLM
+from specdec.medusa_heads import MedusaHeads, load_heads, shipped_heads_dir
+from specdec.proposers.base import register
+from specdec.tree import CompiledTree, chain_tree, compile_tree, greedy_tree
+from specdec.types import Proposal, ProposeContext, Verdict
+
+AUTO_SIZE = 8  # nodes in the automatic tree when the heads carry accuracies but no recorded default
+
+
+def resolve_tree(spec, heads: MedusaHeads) -> list[tuple[int, ...]]:
+    """A tree setting (see the module docstring) -> list of paths for these heads."""
+    cfg = heads.config
+    if spec is None or spec == "auto":
+        if cfg.default_tree:
+            return [tuple(p) for p in cfg.default_tree]
+        return greedy_tree(cfg.accuracy, AUTO_SIZE) if cfg.accuracy else chain_tree(cfg.num_heads)
+    if isinstance(spec, str):
+        s = spec.strip()
+        if s == "chain":
+            return chain_tree(cfg.num_heads)
+        if s.isdigit():
+            if not cfg.accuracy:
+                raise InvalidRequest(f"--tree {s} needs heads with measured accuracies; pass a list of paths")
+            if int(s) < 1:
+                raise InvalidRequest("a tree needs at least 1 node")
+            return greedy_tree(cfg.accuracy, int(s))
+        if s.startswith("["):
+            try:
+                spec = json.loads(s)
+            except ValueError as exc:
+                raise InvalidRequest(f"--tree is not valid JSON: {exc}") from None
+        elif s.endswith(".json"):
+            if not Path(s).is_file():
+                raise InvalidRequest(f"tree file not found: {s}")
+            spec = json.loads(Path(s).read_text())
+        else:
+            raise InvalidRequest(f"unknown tree {spec!r}: use auto, chain, a node count, or a JSON list of paths")
+    try:
+        paths = [tuple(int(r) for r in p) for p in spec]
+    except (TypeError, ValueError):
+        raise InvalidRequest("a tree is a list of paths, each a list of candidate ranks, e.g. [[0], [0, 0], [1]]") from None
+    deepest = max((len(p) for p in paths), default=0)
+    if deepest > cfg.num_heads:
+        raise InvalidRequest(f"the tree is {deepest} deep but there are only {cfg.num_heads} Medusa heads")
+    return paths
+
+
+@register("medusa")
+class MedusaProposer:
+    name = "medusa"
+    needs_hidden = True
+
+    def __init__(self, target: CausalLM, heads: MedusaHeads, tree=None):
+        self.heads = heads.eval()
+        weight = target.model.get_output_embeddings().weight.detach()  # [vocab, hidden]
+        self.vocab_ids = heads.vocab_ids  # [subset] or None
+        # [subset or vocab, hidden]: the output rows the heads may draft, gathered once.
+        self.weight = weight[self.vocab_ids] if self.vocab_ids is not None else weight
+        self.bias = getattr(target.model.get_output_embeddings(), "bias", None)
+        if self.bias is not None and self.vocab_ids is not None:
+            self.bias = self.bias[self.vocab_ids]
+        try:
+            self.tree: CompiledTree = compile_tree(resolve_tree(tree, heads))
+        except ValueError as exc:
+            raise InvalidRequest(f"bad Medusa tree: {exc}") from None
+        self._by_depth: dict[int, CompiledTree] = {}
+        self._index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _tree_for(self, k: int) -> CompiledTree:
+        if k not in self._by_depth:
+            self._by_depth[k] = self.tree.pruned(k)
+        return self._by_depth[k]
+
+    @torch.inference_mode()
+    def propose(self, ctx: ProposeContext) -> list[Proposal]:
+        if ctx.target_hidden is None:
+            raise ValueError("the medusa proposer needs the target's hidden state (needs_hidden)")
+        trees = [self._tree_for(k) for k in ctx.k]
+        depth = max(t.max_depth for t in trees)
+        if depth == 0:
+            return [Proposal() for _ in ctx.row_ids]
+        hidden = torch.stack(list(ctx.target_hidden))  # [rows, hidden]
+        states = torch.stack([self.heads.blocks[i](hidden) for i in range(depth)], dim=1)  # [rows, depth, hidden]
+        logits = states @ self.weight.T  # [rows, depth, subset]
+        if self.bias is not None:
+            logits = logits + self.bias
+        top = logits.topk(self.tree.top_needed(), dim=-1).indices  # [rows, depth, top]
+        if self.vocab_ids is not None:
+            top = self.vocab_ids[top]
+        top = top.cpu()
+        out = []
+        for b, tree in enumerate(trees):
+            if tree.num_nodes == 0:
+                out.append(Proposal())
+                continue
+            head = torch.tensor(tree.head)  # [n]
+            rank = torch.tensor(tree.rank)  # [n]
+            out.append(Proposal(token_ids=tuple(top[b, head, rank].tolist()), parents=tree.parents))
+        return out
+
+    def observe(self, verdicts: Sequence[Verdict]) -> None:
+        pass
+
+
+def heads_for_target(target_name: str, heads_dir: Optional[str], lm: CausalLM) -> MedusaHeads:
+    """Load heads from heads_dir, or the ones shipped for the target; refuse a mismatch."""
+    path = Path(heads_dir) if heads_dir else shipped_heads_dir(target_name)
+    if path is None:
+        raise ModelLoadError(f"no Medusa heads ship for target {target_name!r}: train some with "
+                             f"`specdec train medusa --target DIR --out HEADS` and pass --heads HEADS")
+    return load_heads(path, lm)
+
+
+# One proposer per (target, heads, tree), built on first use: loading the heads gathers the
+# draftable output rows, which is worth doing once per engine rather than once per request.
+_ENGINE_PROPOSERS: "weakref.WeakKeyDictionary[CausalLM, dict]" = weakref.WeakKeyDictionary()
+
+
+def medusa_for_engine(engine) -> MedusaProposer:
+    """The engine's Medusa proposer: heads from engine.config.medusa_heads or the shipped ones."""
+    lm = engine.target.lm
+    key = (engine.config.medusa_heads, engine.config.medusa_tree)
+    built = _ENGINE_PROPOSERS.setdefault(lm, {})
+    if key not in built:
+        heads = heads_for_target(lm.name, engine.config.medusa_heads, lm)
+        built[key] = MedusaProposer(lm, heads, engine.config.medusa_tree)
+    return built[key]
