@@ -1,0 +1,120 @@
+"""The overlays render with kubectl kustomize and validate offline against the Kubernetes schemas
+(kubernetes-validate, strict: unknown fields are errors)."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes_validate import utils as kv
+
+from tests.k8s.manifests import K8S, OVERLAYS, SCHEMA_VERSION, find_kubectl, kind, name, pod_spec
+
+VARIANTS = (*OVERLAYS, "gpu+external-redis")
+
+
+def schema_errors(objs: list[dict]) -> list[str]:
+    """Strict schema errors; an object whose kind has no schema counts as an error too
+    (kubernetes-validate's CLI only warns about those)."""
+    errors = []
+    for o in objs:
+        try:
+            kv.validate(o, SCHEMA_VERSION, strict=True)
+        except kv.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            errors.append(f"{o['kind']} {name(o)}: {path}: {exc.message}")
+        except kv.SchemaNotFoundError:
+            errors.append(f"{o['kind']} {name(o)}: no schema for {o['apiVersion']} {o['kind']} in {SCHEMA_VERSION}")
+    return errors
+
+
+def deployment(objs, n):
+    return next(d for d in kind(objs, "Deployment") if name(d) == n)
+
+
+def test_kubectl_has_kustomize_v5():
+    out = subprocess.run([find_kubectl(), "version", "--client"], capture_output=True, text=True, check=True)
+    assert "Kustomize Version: v5" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("overlay", VARIANTS)
+def test_overlay_renders_the_three_roles(rendered, overlay):
+    names = {name(d) for d in kind(rendered[overlay], "Deployment")}
+    assert names == {"specdec-draft", "specdec-target", "specdec-coordinator"}
+    assert {o["metadata"].get("namespace") for o in rendered[overlay] if o["kind"] != "Namespace"} == {"specdec"}
+
+
+@pytest.mark.parametrize("overlay", VARIANTS)
+def test_overlay_validates_strictly_against_the_schemas(rendered, overlay):
+    assert schema_errors(rendered[overlay]) == []
+
+
+def test_kubernetes_validate_cli_passes_both_overlays(rendered, tmp_path):
+    files = []
+    for overlay in OVERLAYS:
+        f = tmp_path / f"{overlay}.yaml"
+        f.write_text(yaml.safe_dump_all(rendered[overlay]))
+        files.append(str(f))
+    cli = Path(sys.executable).parent / "kubernetes-validate"
+    out = subprocess.run([str(cli), "--strict", "-k", SCHEMA_VERSION, "--quiet", *files],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and "ERROR" not in out.stdout and "WARN" not in out.stdout, out.stdout + out.stderr
+
+
+def test_schema_validation_rejects_a_misspelled_field(rendered):
+    objs = [o for o in rendered["cpu"] if o["kind"] == "Deployment"][:1]
+    c = pod_spec(objs[0])["containers"][0]
+    c["readinesProbe"] = c.pop("readinessProbe")
+    assert any("readinesProbe" in e for e in schema_errors(objs))
+
+
+def test_schema_validation_rejects_an_unknown_kind():
+    obj = {"apiVersion": "apps/v1", "kind": "Deploymnet", "metadata": {"name": "x"}}
+    assert schema_errors([obj]) != []
+
+
+def test_gpu_overlay_scales_draft_and_target_differently(rendered):
+    hpas = {name(h): h["spec"] for h in kind(rendered["gpu"], "HorizontalPodAutoscaler")}
+    draft, target = hpas["specdec-draft"], hpas["specdec-target"]
+    assert (draft["minReplicas"], draft["maxReplicas"]) != (target["minReplicas"], target["maxReplicas"])
+    assert target["minReplicas"] > draft["minReplicas"]
+
+
+def test_gpu_overlay_puts_draft_and_target_on_gpus_with_a_model_volume(rendered):
+    objs = rendered["gpu"]
+    for n, flag in (("specdec-draft", "--draft"), ("specdec-target", "--target")):
+        spec = pod_spec(deployment(objs, n))
+        c = spec["containers"][0]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        model_dir = c["args"][c["args"].index(flag) + 1]
+        mount = next(p for p in mounts if model_dir.startswith(p.rstrip("/") + "/"))
+        volume = next(v for v in spec["volumes"] if v["name"] == mounts[mount])
+        claim = volume["persistentVolumeClaim"]["claimName"]
+        assert claim in {name(p) for p in kind(objs, "PersistentVolumeClaim")}
+    coordinator = pod_spec(deployment(objs, "specdec-coordinator"))["containers"][0]
+    assert "nvidia.com/gpu" not in coordinator["resources"]["limits"]
+
+
+def test_cpu_overlay_needs_no_gpu_and_no_model_volume(rendered):
+    objs = rendered["cpu"]
+    assert not kind(objs, "PersistentVolumeClaim")
+    for d in kind(objs, "Deployment"):
+        c = pod_spec(d)["containers"][0]
+        assert not any("/" in r for r in c["resources"]["limits"]), name(d)
+        assert "--draft" not in c["args"] and "--target" not in c["args"]  # the embedded default
+
+
+def test_external_redis_component_removes_the_in_cluster_redis(rendered):
+    objs = rendered["gpu+external-redis"]
+    assert not kind(objs, "StatefulSet")
+    assert "specdec-redis" not in {name(s) for s in kind(objs, "Service")}
+    [secret] = kind(objs, "Secret")
+    url = base64.b64decode(secret["data"]["url"]).decode()
+    env_file = (K8S / "components" / "external-redis" / "redis.env").read_text()
+    assert f"url={url}" in env_file.splitlines()
