@@ -70,3 +70,17 @@ def test_measure_verify_cost_leaves_no_slots_behind(tiny_target):
 def test_measure_verify_cost_rejects_a_context_longer_than_the_model(tiny_target):
     with pytest.raises(ValueError, match="positions"):
         measure_verify_cost(tiny_target, ks=[1, 64], context_len=tiny_target.max_positions)
+
+
+def test_parse_ks_expands_ranges_and_lists():
+    from specdec.bench_cli import parse_ks
+
+    assert parse_ks("1-3,8,2") == [1, 2, 3, 8]
+
+
+def test_parse_ks_rejects_garbage_with_a_clear_error():
+    from specdec.bench_cli import parse_ks
+    from specdec.errors import SpecdecError
+
+    with pytest.raises(SpecdecError, match="--ks"):
+        parse_ks("1-x")
