@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from tests.k8s.manifests import K8S, OVERLAYS, render, render_with_components
 
 
 @pytest.fixture(scope="session")
-def rendered() -> dict[str, list[dict]]:
-    """overlay name -> rendered objects; also "gpu+external-redis" (the managed-Redis switch)."""
+def _rendered_once() -> dict[str, list[dict]]:
     out = {ov: render(K8S / "overlays" / ov) for ov in OVERLAYS}
     out["gpu+external-redis"] = render_with_components(K8S / "overlays" / "gpu", [K8S / "components" / "external-redis"])
     return out
+
+
+@pytest.fixture
+def rendered(_rendered_once) -> dict[str, list[dict]]:
+    """overlay name -> rendered objects (a fresh copy per test, so a test may edit them); also
+    "gpu+external-redis" (the managed-Redis switch)."""
+    return copy.deepcopy(_rendered_once)

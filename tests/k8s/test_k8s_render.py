@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import base64
+import copy
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +68,7 @@ def test_kubernetes_validate_cli_passes_both_overlays(rendered, tmp_path):
 
 
 def test_schema_validation_rejects_a_misspelled_field(rendered):
-    objs = [o for o in rendered["cpu"] if o["kind"] == "Deployment"][:1]
+    objs = copy.deepcopy([o for o in rendered["cpu"] if o["kind"] == "Deployment"][:1])
     c = pod_spec(objs[0])["containers"][0]
     c["readinesProbe"] = c.pop("readinessProbe")
     assert any("readinesProbe" in e for e in schema_errors(objs))
@@ -118,3 +120,17 @@ def test_external_redis_component_removes_the_in_cluster_redis(rendered):
     url = base64.b64decode(secret["data"]["url"]).decode()
     env_file = (K8S / "components" / "external-redis" / "redis.env").read_text()
     assert f"url={url}" in env_file.splitlines()
+
+
+def test_readme_deployment_section_matches_the_manifests(rendered):
+    readme = (K8S.parent / "README.md").read_text()
+    section = readme[readme.index("## Deployment"):]
+    for path in re.findall(r"\]\(((?:k8s/|Dockerfile)[^)]*)\)", section) + re.findall(r"`(k8s/[\w./-]+)`", section):
+        assert (K8S.parent / path.split("{")[0]).exists(), path
+    hpas = {name(h): h["spec"] for h in kind(rendered["gpu"], "HorizontalPodAutoscaler")}
+    d, t = hpas["specdec-draft"], hpas["specdec-target"]
+    assert f"{d['minReplicas']}-{d['maxReplicas']} draft pods, {t['minReplicas']}-{t['maxReplicas']} target pods" \
+        in section
+    grace = {pod_spec(w)["terminationGracePeriodSeconds"] for w in kind(rendered["gpu"], "Deployment")}
+    assert grace == {int(re.search(r"`terminationGracePeriodSeconds` is (\d+)", section).group(1))}
+    assert f"Kubernetes {SCHEMA_VERSION.rsplit('.', 1)[0]}" in section

@@ -36,7 +36,7 @@ def assert_reported(problems, *needles):
     assert any(all(n in p for n in needles) for p in problems), "\n".join(problems) or "no problems reported"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def cpu(rendered):
     return rendered["cpu"]
 
