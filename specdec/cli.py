@@ -116,6 +116,18 @@ def _cmd_train_medusa(args: argparse.Namespace) -> int:
     return run_training_cli(args)
 
 
+def _add_up(sub: argparse._SubParsersAction) -> None:
+    from specdec.rpc.cli_commands import add_up  # grpc is imported only when the command runs
+
+    add_up(sub)
+
+
+def _add_client(sub: argparse._SubParsersAction) -> None:
+    from specdec.rpc.cli_commands import add_client
+
+    add_client(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_bench(sub)
     _add_cost_curve(sub)
+    _add_up(sub)
+    _add_client(sub)
     return parser
 
 

@@ -1,0 +1,129 @@
+"""`specdec up` (redis-server + the three services on loopback) and `specdec client` (talk to a
+coordinator). Registered by specdec/cli.py; grpc is imported only when a command runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def add_up(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start redis-server, the target, draft and coordinator services on loopback")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="coordinator port (default 50051)")
+    p.add_argument("--draft-port", type=int, default=50061)
+    p.add_argument("--target-port", type=int, default=50062)
+    p.add_argument("--redis-port", type=int, default=0, help="default: a free port")
+    p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default=None, help="draft model directory (default: the interim early-exit draft)")
+    p.add_argument("--pipeline", action="store_true", help="draft the next block while the target verifies")
+    p.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoints (9451, 9461, 9462)")
+    p.add_argument("--log-dir", default=None, help="write each service's log here (default: this terminal)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the services to serve")
+    p.set_defaults(func=_cmd_up)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    import signal
+
+    from specdec.rpc.launcher import start_stack
+
+    # Ctrl-C, and SIGTERM (also when started in the background, where SIGINT may be ignored) stop everything.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    print("specdec up: starting redis-server, target, draft and coordinator (loading models takes a while)...",
+          file=sys.stderr)
+    stack = start_stack(args.host, (args.port, args.draft_port, args.target_port), args.redis_port, args.draft,
+                        args.target, args.pipeline, metrics=not args.no_metrics, timeout=args.timeout,
+                        log_dir=args.log_dir)
+    try:
+        print(f"redis        {stack.redis.url}")
+        for svc in stack.services:
+            print(f"{svc.name:<12} {args.host}:{svc.port}")
+        print(f'ready: specdec client "Write a haiku about the sea." --address {args.host}:{args.port}   '
+              f"(Ctrl-C stops everything)", flush=True)
+        while True:
+            for svc in stack.services:
+                if svc.proc.poll() is not None:
+                    print(f"specdec up: {svc.name} exited with code {svc.proc.returncode}; stopping", file=sys.stderr)
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("\nspecdec up: stopping...", file=sys.stderr)
+        return 0
+    finally:
+        stack.stop()
+
+
+def add_client(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("client", help="send a prompt to a running coordinator (see `specdec up`)")
+    p.add_argument("prompt", nargs="?", default=None, help="the user prompt (chat template unless --no-chat)")
+    p.add_argument("--address", default="127.0.0.1:50051", help="coordinator host:port (default 127.0.0.1:50051)")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are committed")
+    p.add_argument("--method", default="auto",
+                   help="auto (draft, falling back to the target), draft, plain, target, or a target-side method")
+    p.add_argument("--k", type=int, default=0, help="tokens drafted per step (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--no-chat", action="store_true", help="send the prompt as raw text, without the chat template")
+    p.add_argument("--session-id", default="", help="name the session (to resume it later), or resume one")
+    p.add_argument("--resume-from", type=int, default=0, help="resume: generated tokens you already have")
+    p.add_argument("--timeout", type=float, default=600.0, help="deadline of the call in seconds")
+    p.set_defaults(func=_cmd_client)
+
+
+def _cmd_client(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from specdec.errors import SpecdecError
+    from specdec.rpc.clients import CoordinatorClient
+    from specdec.types import SamplingParams
+
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.prompt is None and not args.session_id:
+        raise SpecdecError("give a prompt (or --session-id to resume a session)")
+    if args.prompt is not None and not args.prompt.strip():
+        raise SpecdecError("the prompt is empty")
+    if args.prompt is None:
+        prompt = {}
+    elif args.no_chat:
+        prompt = {"text": args.prompt}
+    else:
+        prompt = {"chat": [("user", args.prompt)]}
+    req = CoordinatorClient.request(**prompt, max_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
+                                    method=args.method, k=args.k, session_id=args.session_id,
+                                    resume_from=args.resume_from)
+
+    async def go() -> dict:
+        client = CoordinatorClient(args.address, timeout=args.timeout)
+        try:
+            if args.stream:
+                stats = {}
+                async for chunk in client.generate_stream(req):
+                    print(chunk.text, end="", flush=True)
+                    if chunk.finish_reason:
+                        stats = dict(chunk.stats or {}, finish_reason=chunk.finish_reason, session_id=chunk.session_id)
+                print()
+                return stats
+            out = await client.generate(req)
+            print(out.text)
+            return dict(out.stats, finish_reason=out.finish_reason, session_id=out.session_id)
+        finally:
+            await client.close()
+
+    s = asyncio.run(go())
+    if s:
+        print(f"[{args.method}] {s['emitted']} tokens in {s['elapsed_s']:.2f} s: {s['tokens_per_s']:.1f} tok/s, "
+              f"tau {s['tau']:.2f}, alpha {s['alpha']:.2f}, target forwards {s['target_forwards']}, "
+              f"fallback steps {s['fallback_steps']}, finish {s['finish_reason']}, session {s['session_id']}",
+              file=sys.stderr)
+    return 0
