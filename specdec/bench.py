@@ -61,6 +61,7 @@ class BenchConfig:
     threads: Optional[int] = None  # torch intra-op threads (None: leave torch's default)
     device: str = "cpu"
     warmup_tokens: int = 8  # each method decodes this many tokens once before timing (0: no warm-up)
+    time_budget_s: Optional[float] = None  # start no new prompt after this many seconds (results stay whole)
 
     def __post_init__(self) -> None:
         if self.per_category < 0:
@@ -339,11 +340,18 @@ def available_methods(ctx: BenchContext) -> tuple[dict[str, Runner], dict[str, s
 # --- running ----------------------------------------------------------------------------------
 
 def run_interleaved(runners: dict[str, Runner], prompts: Sequence[BenchPrompt],
-                    progress: Optional[Callable[[str], None]] = None) -> list[RunRecord]:
-    """Every method on every prompt, prompt by prompt; the method order rotates per prompt."""
+                    progress: Optional[Callable[[str], None]] = None,
+                    time_budget_s: Optional[float] = None) -> list[RunRecord]:
+    """Every method on every prompt, prompt by prompt; the method order rotates per prompt.
+    With a time budget, no new prompt starts once it is spent (every prompt run has all methods)."""
     names = list(runners)
     records = []
+    start = time.perf_counter()
     for i, prompt in enumerate(prompts):
+        if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+            if progress:
+                progress(f"time budget spent: stopping after {i} of {len(prompts)} prompts")
+            break
         order = names[i % len(names):] + names[: i % len(names)]
         for name in order:
             t0 = time.perf_counter()
@@ -529,13 +537,14 @@ def run_bench(config: BenchConfig, command: str = "specdec bench", target: Optio
         ctx.stop = replace(saved, max_new_tokens=config.warmup_tokens)
         run_interleaved(runners, prompts[:1])
         ctx.stop = saved
-    records = run_interleaved(runners, prompts, progress=progress)
+    records = run_interleaved(runners, prompts, progress=progress, time_budget_s=config.time_budget_s)
     rows = summarize(records, list(runners))
+    done = {r.prompt_id for r in records}
     meta = {
         "command": command, "when": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(config.device),
         "torch": torch.__version__, "threads": torch.get_num_threads(), "target": ctx.target.lm.name,
         "draft": ctx.draft.path if ctx.draft is not None else "none", "backends": list(config.backends),
-        "prompts": len(prompts), "per_category": config.per_category or "all",
+        "prompts": len(done), "per_category": config.per_category or "all",
         "max_new_tokens": config.max_new_tokens, "k": config.k, "load_before": load_before,
         "load_after": _loadavg(),
     }

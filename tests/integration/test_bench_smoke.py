@@ -74,3 +74,20 @@ def test_summarize_flags_an_output_that_differs_from_the_baseline():
     rows = {r.method: r for r in summarize(recs, [BASELINE, "m"]) if r.category == "all"}
     assert rows["m"].equal_hf == 0 and rows[BASELINE].equal_hf == 1
     assert rows["m"].speedup_vs_hf == pytest.approx(2.0)
+
+
+@pytest.mark.real_model
+def test_gpu_script_runs_its_cpu_subset_and_writes_table_and_plot(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(root / "bench" / "gpu.sh"), str(tmp_path), "--methods", "hf-generate,plain"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = (tmp_path / "results.md").read_text()
+    assert "| hf-generate |" in table and "| plain |" in table
+    assert (tmp_path / "speedup.png").stat().st_size > 0
