@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -73,9 +74,11 @@ class DraftCore:
         self.draft = draft
         self.settings = settings
         self.metrics = metrics or ServiceMetrics("draft")
+        self._last_seen: dict[str, float] = {}
         self.sessions: OrderedDict[str, DraftSession] = OrderedDict()
         self.batcher = MicroBatcher(self._run, max_batch=settings.max_batch, window_s=settings.batch_window_ms / 1000,
-                                    max_queue=settings.max_queue, metrics=self.metrics)
+                                    max_queue=settings.max_queue, metrics=self.metrics,
+                                    expect_company=self._others_active)
 
     def _session(self, session_id: str, create: bool = False) -> DraftSession:
         sess = self.sessions.get(session_id)
@@ -88,7 +91,15 @@ class DraftCore:
                 log.info("evicted session %s (LRU)", evicted)
         self.sessions.move_to_end(session_id)
         self.metrics.sessions.set(len(self.sessions))
+        self._last_seen[session_id] = time.monotonic()
         return sess
+
+    def _others_active(self) -> bool:
+        """More than one session called in the last second: a batch window can collect company."""
+        now = time.monotonic()
+        for sid in [s for s, t in self._last_seen.items() if now - t > 1.0]:
+            del self._last_seen[sid]
+        return len(self._last_seen) > 1
 
     def _new_proposer(self) -> DraftModelProposer:
         """A proposer holding one row (this session), with an empty cache."""

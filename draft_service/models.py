@@ -1,14 +1,21 @@
-"""Which draft model the service runs when none is given.
+"""Which draft model the service runs.
 
-INTERIM: no trained default draft ships with the package yet (another issue trains it). Until
-then the service uses an untrained early-exit copy of the embedded default target (its first
-4 decoder layers plus its embeddings, final norm and output layer), which agrees with the
-target on roughly 4-30% of tokens. Replace `default_draft` alone when the trained draft lands.
+`default_draft` is the one place that decides what runs without --draft: the draft shipped in
+the package for the embedded target (specdec/assets/drafts/<target>, made by `specdec train
+draft`) when there is one; until it lands, an INTERIM untrained early-exit copy of the
+embedded target (its first 4 decoder layers plus its embeddings, final norm and output layer),
+which agrees with the target on roughly 4-30% of tokens.
+
+--draft DIR takes a transformers model directory sharing the target's vocabulary, or a specdec
+draft directory (draft.safetensors + draft_vocab.json), which borrows the embeddings of the
+embedded default target.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+from typing import Optional
 
 from specdec.lm import CausalLM
 
@@ -17,17 +24,28 @@ INTERIM_EARLY_EXIT_LAYERS = 4
 
 
 def default_draft() -> CausalLM:
+    from specdec.drafts import load_draft as load_specdec_draft
+    from specdec.drafts import shipped_draft_path
     from specdec.models import early_exit_copy, load_model
 
     target = load_model()
+    shipped = shipped_draft_path(target.lm.name)
+    if shipped is not None:
+        log.info("no --draft given: using the draft shipped for %s (%s)", target.lm.name, shipped)
+        return load_specdec_draft(shipped, target.lm, target.lm.name)
     log.warning("no --draft given: using the INTERIM draft early_exit_copy(%s, %d) (untrained; a trained default "
                 "draft is not shipped yet)", target.lm.name, INTERIM_EARLY_EXIT_LAYERS)
     return early_exit_copy(target.lm, INTERIM_EARLY_EXIT_LAYERS)
 
 
-def load_draft(path: str | None) -> CausalLM:
+def load_draft(path: Optional[str]) -> CausalLM:
     if path is None:
         return default_draft()
+    from specdec.drafts import is_draft_dir
+    from specdec.drafts import load_draft as load_specdec_draft
     from specdec.models import load_model
 
+    if is_draft_dir(Path(path)):
+        target = load_model()
+        return load_specdec_draft(Path(path), target.lm, target.lm.name)
     return load_model(path).lm

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,7 @@ class TargetCore:
         self.settings = settings
         self.metrics = metrics or ServiceMetrics("target")
         self.tokenizer_dir = tokenizer_dir
+        self._last_seen: dict[str, float] = {}
         self.sessions: OrderedDict[str, TargetSession] = OrderedDict()
         self.prefills: Counter[str] = Counter()  # per session: how often it was (re)built here
         self.methods = methods if methods is not None else discover_methods(target)
@@ -114,7 +116,7 @@ class TargetCore:
         self.needs_hidden = any(getattr(build, "needs_hidden", False) for build in self.methods.values())
         self.batcher = MicroBatcher(self._run_steps, max_batch=settings.max_batch,
                                     window_s=settings.batch_window_ms / 1000, max_queue=settings.max_queue,
-                                    metrics=self.metrics)
+                                    metrics=self.metrics, expect_company=self._others_active)
 
     # --- sessions --------------------------------------------------------------------------
     def _session(self, session_id: str, create: bool = False) -> TargetSession:
@@ -128,7 +130,15 @@ class TargetCore:
                 log.info("evicted session %s (LRU)", evicted)
         self.sessions.move_to_end(session_id)
         self.metrics.sessions.set(len(self.sessions))
+        self._last_seen[session_id] = time.monotonic()
         return sess
+
+    def _others_active(self) -> bool:
+        """More than one session called in the last second: a batch window can collect company."""
+        now = time.monotonic()
+        for sid in [s for s, t in self._last_seen.items() if now - t > 1.0]:
+            del self._last_seen[sid]
+        return len(self._last_seen) > 1
 
     def release(self, session_id: str) -> bool:
         found = self.sessions.pop(session_id, None) is not None

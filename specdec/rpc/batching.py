@@ -26,7 +26,8 @@ class MicroBatcher(Generic[T]):
 
     def __init__(self, run_batch: Callable[[Sequence[T]], Sequence[Any]], max_batch: int = 8,
                  window_s: float = 0.002, max_queue: int = 256, metrics: Optional[ServiceMetrics] = None,
-                 executor: Optional[concurrent.futures.Executor] = None):
+                 executor: Optional[concurrent.futures.Executor] = None,
+                 expect_company: Optional[Callable[[], bool]] = None):
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         self.run_batch = run_batch
@@ -35,6 +36,8 @@ class MicroBatcher(Generic[T]):
         self.max_queue = max_queue
         self.metrics = metrics
         self.executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
+        # Whether waiting the window can pay off (e.g. other sessions are active); None: always wait.
+        self.expect_company = expect_company
         self._queue: asyncio.Queue[_Item[T]] = asyncio.Queue()
         self._worker: Optional[asyncio.Task] = None
 
@@ -63,7 +66,8 @@ class MicroBatcher(Generic[T]):
         loop = asyncio.get_running_loop()
         while True:
             batch = [await self._queue.get()]
-            end = loop.time() + self.window_s
+            wait = self.window_s if self.expect_company is None or self.expect_company() else 0.0
+            end = loop.time() + wait
             while len(batch) < self.max_batch:
                 if not self._queue.empty():
                     batch.append(self._queue.get_nowait())

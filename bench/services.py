@@ -1,0 +1,215 @@
+"""Services vs in-process speculative decoding, concurrency, and pipelining, on this machine.
+
+    nice -n 10 python bench/services.py [--prompts 4] [--max-new-tokens 48] [--k 4] [--delay-ms 50]
+                                        [--draft DIR] [--json OUT]
+
+Measures, greedy, on dev prompts (one per category, chat template, first turn):
+1. in-process plain_generate and speculative_generate (target + the draft service's default draft);
+2. the same prompts through the services: redis-server + target + draft + coordinator, each its
+   own process on loopback, one session at a time;
+3. 8 concurrent sessions (aggregate tokens/s) vs one at a time;
+4. pipelining on vs off, without and with an artificial delay on every target step (a stand-in
+   for a busy GPU or a network hop: the target process sleeps, using no CPU).
+Every run is checked token for token against plain decoding. Numbers are tokens/s of generated
+tokens, wall clock, including prompt processing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHARED = HERE.parents[1] / "shared" / "data" / "dev_prompts.jsonl"
+
+
+def load_prompts(tokenizer, n: int) -> list[list[int]]:
+    from specdec.models import format_prompt
+
+    rows = [json.loads(line) for line in SHARED.read_text().splitlines()]
+    picked, seen = [], set()
+    for r in rows:  # one per category first, then more
+        if r["category"] not in seen:
+            seen.add(r["category"])
+            picked.append(r)
+    picked += [r for r in rows if r not in picked]
+    return [format_prompt(tokenizer, r["turns"][0])[-256:] for r in picked[:n]]
+
+
+def in_process(target, draft, prompts, n, k):
+    from specdec.decode import plain_generate, speculative_generate
+    from specdec.proposers import DraftModelProposer
+    from specdec.types import StopConditions
+
+    stop = StopConditions(max_new_tokens=n, eos_token_ids=target.eos_token_ids)
+    out = {}
+    for name in ("plain", "speculative"):
+        t0, toks, results = time.perf_counter(), 0, []
+        for p in prompts:
+            if name == "plain":
+                r = plain_generate(target, [p], stop=stop)[0]
+            else:
+                r = speculative_generate(target, DraftModelProposer(draft), [p], stop=stop, k=k)[0]
+            toks += len(r.token_ids)
+            results.append(r)
+        el = time.perf_counter() - t0
+        out[name] = dict(tokens=toks, seconds=el, tok_s=toks / el, outputs=[list(r.token_ids) for r in results],
+                         tau=sum(r.stats.emitted for r in results) / max(1, sum(r.stats.target_forwards
+                                                                                 for r in results)))
+    return out
+
+
+class Procs:
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, *argv: str, log: Path) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, *argv], stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def through(address, prompts, n, k, concurrent=False):
+    from specdec.rpc.clients import CoordinatorClient
+
+    client = CoordinatorClient(address)
+    try:
+        reqs = [client.request(token_ids=p, max_tokens=n, k=k) for p in prompts]
+        t0 = time.perf_counter()
+        if concurrent:
+            outs = await asyncio.gather(*(client.generate(r) for r in reqs))
+        else:
+            outs = [await client.generate(r) for r in reqs]
+        el = time.perf_counter() - t0
+    finally:
+        await client.close()
+    toks = sum(len(o.token_ids) for o in outs)
+    stats = {key: sum(o.stats[key] for o in outs) for key in ("target_forwards", "emitted", "drafted", "accepted",
+                                                              "pipeline_hits", "pipeline_misses")}
+    return dict(tokens=toks, seconds=el, tok_s=toks / el, outputs=[list(o.token_ids) for o in outs],
+                tau=stats["emitted"] / max(1, stats["target_forwards"]), **stats)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--delay-ms", type=float, default=50.0, help="artificial delay per target step")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--draft", default=None, help="draft directory (default: the draft service's default)")
+    ap.add_argument("--json", default=None, help="also write the numbers here")
+    ap.add_argument("--log-dir", default="runs/bench-services")
+    args = ap.parse_args()
+
+    import tempfile
+
+    from draft_service.models import load_draft
+    from specdec.models import load_model
+    from specdec.rpc.launcher import RedisServer, _wait_serving, free_port
+
+    loaded = load_model()
+    draft = load_draft(args.draft)
+    prompts = load_prompts(loaded.tokenizer, args.prompts)
+    n, k = args.max_new_tokens, args.k
+    print(f"# {len(prompts)} prompts x {n} tokens, k={k}, target {loaded.lm.name}, draft {draft.name}", flush=True)
+    results = {"in_process": in_process(loaded.lm, draft, prompts, n, k)}
+    print(f"in-process: plain {results['in_process']['plain']['tok_s']:.2f} tok/s, speculative "
+          f"{results['in_process']['speculative']['tok_s']:.2f} tok/s", flush=True)
+    del loaded, draft  # the services load their own copies
+
+    logs = Path(args.log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    redis = RedisServer().start()
+    procs = Procs()
+    ports = {name: free_port() for name in ("draft", "target", "target_slow", "c_plain", "c_pipe", "c_slow",
+                                             "c_slow_pipe")}
+    try:
+        draft_argv = ["-m", "draft_service", "--host", "127.0.0.1", "--port", str(ports["draft"]), "--metrics-port",
+                      "-1"] + (["--draft", args.draft] if args.draft else [])
+        health = {"draft": "specdec.rpc.v1.DraftService", "target": "specdec.rpc.v1.TargetService",
+                  "target_slow": "specdec.rpc.v1.TargetService"}
+        started = {
+            "draft": procs.start(*draft_argv, log=logs / "draft.log"),
+            "target": procs.start("-m", "target_service", "--host", "127.0.0.1", "--port", str(ports["target"]),
+                                  "--metrics-port", "-1", log=logs / "target.log"),
+            "target_slow": procs.start("-m", "target_service", "--host", "127.0.0.1", "--port",
+                                       str(ports["target_slow"]), "--metrics-port", "-1", "--artificial-delay-ms",
+                                       str(args.delay_ms), log=logs / "target_slow.log"),
+        }
+        coords = {"c_plain": ("target", False), "c_pipe": ("target", True), "c_slow": ("target_slow", False),
+                  "c_slow_pipe": ("target_slow", True)}
+        for name, (tgt, pipe) in coords.items():
+            started[name] = procs.start("-m", "coordinator", "--host", "127.0.0.1", "--port", str(ports[name]),
+                                        "--metrics-port", "-1", "--redis-url", redis.url,
+                                        "--draft-replicas", f"127.0.0.1:{ports['draft']}",
+                                        "--target-replicas", f"127.0.0.1:{ports[tgt]}",
+                                        "--pipeline" if pipe else "--no-pipeline", log=logs / f"{name}.log")
+            health[name] = "specdec.rpc.v1.Coordinator"
+
+        async def wait_all():
+            for name, proc in started.items():
+                await _wait_serving(f"127.0.0.1:{ports[name]}", health[name], proc, timeout=600)
+
+        asyncio.run(wait_all())
+        addr = lambda name: f"127.0.0.1:{ports[name]}"  # noqa: E731
+        asyncio.run(through(addr("c_plain"), prompts[:1], 8, k))  # warm-up: first forward passes, tokenizer
+        runs = {
+            "services": (addr("c_plain"), prompts, False),
+            f"services x{args.concurrency} concurrent": (addr("c_plain"),
+                                                        [prompts[i % len(prompts)] for i in range(args.concurrency)],
+                                                        True),
+            "services, pipelined": (addr("c_pipe"), prompts, False),
+            f"services, target +{args.delay_ms:g} ms/step": (addr("c_slow"), prompts, False),
+            f"services, target +{args.delay_ms:g} ms/step, pipelined": (addr("c_slow_pipe"), prompts, False),
+        }
+        for name, (address, ps, conc) in runs.items():
+            results[name] = asyncio.run(through(address, ps, n, k, conc))
+            print(f"{name}: {results[name]['tok_s']:.2f} tok/s", flush=True)
+    finally:
+        procs.stop()
+        redis.stop()
+
+    plain = results["in_process"]["plain"]["outputs"]
+    spec = results["in_process"]["speculative"]
+    print(f"\n| run | tokens | s | tok/s | vs in-process speculative | tau | pipeline hits/misses | greedy == plain |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in [("in-process plain", results["in_process"]["plain"]), ("in-process speculative", spec),
+                    *[(k_, v) for k_, v in results.items() if k_ != "in_process"]]:
+        outs = r["outputs"]
+        same = all(o == plain[i % len(plain)] for i, o in enumerate(outs))
+        hm = f"{r.get('pipeline_hits', '-')}/{r.get('pipeline_misses', '-')}"
+        print(f"| {name} | {r['tokens']} | {r['seconds']:.1f} | {r['tok_s']:.2f} | {r['tok_s'] / spec['tok_s']:.2f}x "
+              f"| {r['tau']:.2f} | {hm} | {'yes' if same else 'NO'} |")
+    single = results["services"]["tok_s"]
+    conc = results[f"services x{args.concurrency} concurrent"]["tok_s"]
+    print(f"\nthrough services / in-process speculative: {single / spec['tok_s']:.2f}x")
+    print(f"{args.concurrency} concurrent sessions / one at a time: {conc / single:.2f}x")
+    print(f"pipelining gain, no delay: {results['services, pipelined']['tok_s'] / single:.2f}x; with "
+          f"+{args.delay_ms:g} ms/step: {results[f'services, target +{args.delay_ms:g} ms/step, pipelined']['tok_s'] / results[f'services, target +{args.delay_ms:g} ms/step']['tok_s']:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({k_: {kk: vv for kk, vv in v.items() if kk != "outputs"}
+                                               if "outputs" in v else v for k_, v in results.items()}, indent=1,
+                                              default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
