@@ -45,12 +45,12 @@ def test_draft_method_equals_in_process_speculative_and_plain(redis_url, tiny_ta
 def test_target_side_method_equals_plain(redis_url, long_target, method):
     async def scenario():
         async with local_stack(redis_url, long_target) as st:
-            return await asyncio.gather(*(st.client.generate(st.client.request(token_ids=p, max_tokens=30,
-                                                                                method=method)) for p in PROMPTS))
+            return await asyncio.gather(*(st.client.generate(st.client.request(token_ids=p, max_tokens=20,
+                                                                                method=method)) for p in PROMPTS[:3]))
 
     for p, out in zip(PROMPTS, run(scenario())):
-        assert_greedy_equal(long_target, p, out.token_ids, _plain(long_target, p, 30).token_ids)
-        assert out.stats["emitted"] == 30 and out.finish_reason == "length"
+        assert_greedy_equal(long_target, p, out.token_ids, _plain(long_target, p, 20).token_ids)
+        assert out.stats["emitted"] == 20 and out.finish_reason == "length"
 
 
 def test_auto_without_draft_replicas_falls_back_to_the_target(redis_url, long_target):
