@@ -136,12 +136,12 @@ def training_prompts(seed: int = 0, count: int = 2000) -> list[TrainingPrompt]:
                 rng.choice(functions)),
         ]),
         "math": lambda: _math_problem(rng),
-        "summarization": lambda: (lambda text: f"Summarize the following text in a few sentences.\n\n{text[:1500]}")(
+        "summarization": lambda: (lambda text: f"Summarize the following text in a few sentences.\n\n{text[:700]}")(
             rng.choice([m[1] for m in modules] + [f[2] for f in functions if len(f[2]) > 400])),
         "translation": lambda: f"Translate the following sentence into {rng.choice(TRANSLATE_TO)}: {rng.choice(SENTENCES)}",
         "qa": lambda: rng.choice([f"What is {rng.choice(CONCEPTS)}?", f"Explain {rng.choice(CONCEPTS)} in simple terms.",
                                   f"What are the main differences between {rng.choice(CONCEPTS)} and {rng.choice(CONCEPTS)}?"]),
-        "rag": lambda: (lambda f: f"Use the context to answer the question.\n\nContext: {textwrap.shorten(f[2], 700)}\n\n"
+        "rag": lambda: (lambda f: f"Use the context to answer the question.\n\nContext: {textwrap.shorten(f[2], 400)}\n\n"
                                   f"Question: What does `{f[0]}` do, and how is it called?")(rng.choice(functions)),
     }
     cats = list(makers)

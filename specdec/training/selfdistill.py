@@ -25,7 +25,7 @@ from specdec.models import LoadedModel, format_prompt, load_model
 from specdec.training.prompts import training_prompts
 from specdec.types import SamplingParams, StopConditions
 
-MAX_PROMPT_TOKENS = 640  # longer prompts are cut from the left (they are context, the answer is what matters)
+MAX_PROMPT_TOKENS = 384  # longer prompts are cut from the left; prefill of long prompts dominated generation cost
 
 
 def part_path(out_dir: Path, start: int) -> Path:

@@ -1,0 +1,125 @@
+"""CLI subcommands for drafts and training data: `specdec train draft`, `specdec train data`,
+`specdec eval draft`. Registered by specdec/cli.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from specdec.errors import SpecdecError
+
+
+def _target_name(spec) -> str:
+    from specdec.models import DEFAULT_TARGET
+
+    return DEFAULT_TARGET if spec in (None, DEFAULT_TARGET) else Path(spec).name
+
+
+def add_train_draft(tsub: argparse._SubParsersAction) -> None:
+    from specdec.training.draft import DraftRecipe
+
+    d = DraftRecipe()
+    p = tsub.add_parser("draft", help="distil a small draft (target layers + frequent-token head) from the target")
+    p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, type=Path, help="draft directory to write (rewritten at every checkpoint)")
+    p.add_argument("--data", action="append", type=Path, default=None,
+                   help="self-distilled data directory (repeatable; default data/selfdistill)")
+    p.add_argument("--work", type=Path, default=None, help="checkpoint + teacher cache folder (default runs/draft)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--time-budget", type=float, default=None, metavar="MIN", help="minutes of training")
+    budget.add_argument("--steps", type=int, default=None, help="optimiser steps")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --work")
+    p.add_argument("--layers", default=",".join(map(str, d.layers)),
+                   help=f"target layers copied into the draft (default {','.join(map(str, d.layers))})")
+    p.add_argument("--vocab", type=int, default=d.vocab, help=f"draft output vocabulary size (default {d.vocab})")
+    p.add_argument("--tokens-per-step", type=int, default=d.tokens_per_step)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--backend", default="fast", help="target backend for the teacher (default fast)")
+    p.set_defaults(func=_cmd_train_draft)
+
+
+def _cmd_train_draft(args: argparse.Namespace) -> int:
+    from specdec.models import load_model
+    from specdec.training.draft import DraftRecipe, train_draft
+
+    try:
+        layers = tuple(int(x) for x in args.layers.split(","))
+    except ValueError:
+        raise SpecdecError(f"--layers must be comma-separated integers, got {args.layers!r}") from None
+    data = args.data or [Path("data/selfdistill")]
+    missing = [str(d) for d in data if not Path(d).is_dir()]
+    if missing:
+        raise SpecdecError(f"training data folder not found: {', '.join(missing)} (make it with `specdec train data`)")
+    if args.steps is None and args.time_budget is None:
+        raise SpecdecError("give --time-budget MIN or --steps N")
+    target = load_model(args.target, backend=args.backend)
+    n_layers = int(getattr(target.lm.config, "num_hidden_layers", 0))
+    if any(not 0 <= i < n_layers for i in layers):
+        raise SpecdecError(f"--layers must be in [0, {n_layers}) for this target, got {args.layers}")
+    recipe = DraftRecipe(layers=layers, vocab=args.vocab, tokens_per_step=args.tokens_per_step, lr=args.lr)
+    train_draft(target.lm, data, args.out, args.work or Path("runs/draft"), recipe=recipe,
+                target_name=_target_name(args.target),
+                time_budget_s=None if args.time_budget is None else args.time_budget * 60,
+                max_steps=args.steps, resume=args.resume)
+    return 0
+
+
+def add_train_data(tsub: argparse._SubParsersAction) -> None:
+    p = tsub.add_parser("data", help="generate self-distilled training data (the target's own answers); resumable")
+    p.add_argument("--target", default=None)
+    p.add_argument("--out", type=Path, default=Path("data/selfdistill"))
+    p.add_argument("--count", type=int, default=2000, help="training prompts (written from templates and the stdlib)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="MIN")
+    p.add_argument("--backend", default="fast")
+    p.set_defaults(func=_cmd_train_data)
+
+
+def _cmd_train_data(args: argparse.Namespace) -> int:
+    from specdec.models import load_model
+    from specdec.training.selfdistill import generate
+
+    target = load_model(args.target, backend=args.backend)
+    generate(args.out, target, count=args.count,
+             time_budget_s=None if args.time_budget is None else args.time_budget * 60)
+    return 0
+
+
+def add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="evaluate proposers for a target")
+    esub = p.add_subparsers(dest="eval_command", required=True)
+    d = esub.add_parser("draft", help="alpha, tau, c and predicted vs measured speedup of a draft, per category")
+    d.add_argument("--target", default=None)
+    d.add_argument("--draft", default=None, help="draft directory (default: the shipped draft for the target)")
+    d.add_argument("--prompts", type=Path, default=None,
+                   help="JSONL with category + turns (default: held-out training prompts, seed 1)")
+    d.add_argument("--per-category", type=int, default=2)
+    d.add_argument("--k", type=int, default=4)
+    d.add_argument("--max-new-tokens", type=int, default=64)
+    d.add_argument("--backend", default="hf")
+    d.set_defaults(func=_cmd_eval_draft)
+
+
+def _cmd_eval_draft(args: argparse.Namespace) -> int:
+    from specdec.drafts import load_draft, shipped_draft_path
+    from specdec.models import format_prompt, load_model
+    from specdec.training.draft_eval import evaluate_draft, format_report, load_prompt_file
+    from specdec.training.prompts import training_prompts
+
+    target = load_model(args.target, backend=args.backend)
+    name = _target_name(args.target)
+    path = Path(args.draft) if args.draft else shipped_draft_path(name)
+    if path is None:
+        raise SpecdecError(f"no shipped draft for {name}: pass --draft DIR")
+    draft = load_draft(path, target.lm, target_name=name)
+    if args.prompts is not None:
+        if not args.prompts.is_file():
+            raise SpecdecError(f"prompt file not found: {args.prompts}")
+        prompts = load_prompt_file(args.prompts, target.tokenizer, args.per_category)
+    else:
+        held_out = training_prompts(seed=1, count=7 * args.per_category)
+        prompts = [(p.category, format_prompt(target.tokenizer, p.text)) for p in held_out]
+    reports, costs = evaluate_draft(target.lm, draft, prompts, k=args.k, max_new_tokens=args.max_new_tokens)
+    history = json.loads((path / "draft_vocab.json").read_text()).get("history")
+    print(format_report(reports, costs, args.k, history))
+    return 0
