@@ -682,7 +682,7 @@ def check_redis(objs: list[Obj]) -> list[str]:
             elif not picked or resolve_target_port(picked[0], sp[0].get("targetPort", port)) is None:
                 problems.append(f"{ref(svc)}: port {port} reaches no Redis container")
         else:
-            policies = [p for p in kind(objs, "NetworkPolicy") if "Egress" in (p["spec"].get("policyTypes") or [])
+            policies = [p for p in kind(objs, "NetworkPolicy") if "Egress" in policy_types(p)
                         and matches(p["spec"]["podSelector"], pod_labels(r.workload))]
             if policies and not any(any("ipBlock" in peer for peer in rule.get("to") or [])
                                     and _port_allowed(rule.get("ports"), port, "TCP", {})
@@ -739,11 +739,17 @@ def _peer_matches(peer: dict, policy_ns: str, pod: Pod) -> bool:
     return ns_ok and pod_ok
 
 
+def policy_types(policy: Obj) -> list[str]:
+    """policyTypes, or the API's default: Ingress, plus Egress when egress rules are given."""
+    spec = policy["spec"]
+    return spec.get("policyTypes") or ["Ingress"] + (["Egress"] if "egress" in spec else [])
+
+
 def allowed(policies: list[Obj], src: Pod, dst: Pod, port: int, protocol: str = "TCP") -> bool:
     """Whether NetworkPolicies let src open a connection to dst:port."""
     def selecting(pod: Pod, direction: str) -> list[Obj]:
         return [p for p in policies if p["metadata"].get("namespace") == pod.namespace
-                and direction in (p["spec"].get("policyTypes") or ["Ingress"])
+                and direction in policy_types(p)
                 and matches(p["spec"]["podSelector"], pod.label_dict)]
 
     ingress = selecting(dst, "Ingress")
