@@ -481,10 +481,12 @@ def run_training_cli(args) -> int:
         from specdec.medusa_heads import load_heads
 
         loaded = load_heads(args.out, target.lm)
-        best, table = select_tree(target.lm, loaded, prompts, tree_candidates(cfg.accuracy, cfg.num_heads))
+        best, table = select_tree(target.lm, loaded, prompts, tree_candidates(cfg.accuracy, cfg.num_heads),
+                                  max_new_tokens=args.pick_tree_tokens)
         cands = tree_candidates(cfg.accuracy, cfg.num_heads)
         cfg = replace(cfg, default_tree=tuple(cands[best]),
                       notes={**cfg.notes, "tree_selection": {"machine": platform.machine(), "prompts": len(prompts),
+                                                             "tokens_per_prompt": args.pick_tree_tokens,
                                                              "chosen": best, "table": table}})
         save_heads(loaded, args.out, cfg)
         print(f"default tree: {best} ({len(cands[best])} nodes)")
