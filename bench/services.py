@@ -1,7 +1,7 @@
 """Services vs in-process speculative decoding, concurrency, and pipelining, on this machine.
 
     nice -n 10 python bench/services.py [--prompts 4] [--max-new-tokens 48] [--k 4] [--delay-ms 50]
-                                        [--draft DIR] [--json OUT]
+                                        [--target DIR] [--draft DIR] [--threads N] [--json OUT]
 
 Measures, greedy, on dev prompts (one per category, chat template, first turn):
 1. in-process plain_generate and speculative_generate (target + the draft service's default draft);
@@ -33,6 +33,8 @@ SHARED = HERE.parents[1] / "shared" / "data" / "dev_prompts.jsonl"
 def load_prompts(tokenizer, n: int) -> list[list[int]]:
     from specdec.models import format_prompt
 
+    if tokenizer is None:  # a model without a tokenizer (a plumbing check on a tiny model)
+        return [[(7 * i + j) % 50 + 2 for j in range(8 + i)] for i in range(n)]
     rows = [json.loads(line) for line in SHARED.read_text().splitlines()]
     picked, seen = [], set()
     for r in rows:  # one per category first, then more
@@ -43,27 +45,22 @@ def load_prompts(tokenizer, n: int) -> list[list[int]]:
     return [format_prompt(tokenizer, r["turns"][0])[-256:] for r in picked[:n]]
 
 
-def in_process(target, draft, prompts, n, k):
+def in_process_run(target, draft, prompts, n, k, method):
     from specdec.decode import plain_generate, speculative_generate
     from specdec.proposers import DraftModelProposer
     from specdec.types import StopConditions
 
     stop = StopConditions(max_new_tokens=n, eos_token_ids=target.eos_token_ids)
-    out = {}
-    for name in ("plain", "speculative"):
-        t0, toks, results = time.perf_counter(), 0, []
-        for p in prompts:
-            if name == "plain":
-                r = plain_generate(target, [p], stop=stop)[0]
-            else:
-                r = speculative_generate(target, DraftModelProposer(draft), [p], stop=stop, k=k)[0]
-            toks += len(r.token_ids)
-            results.append(r)
-        el = time.perf_counter() - t0
-        out[name] = dict(tokens=toks, seconds=el, tok_s=toks / el, outputs=[list(r.token_ids) for r in results],
-                         tau=sum(r.stats.emitted for r in results) / max(1, sum(r.stats.target_forwards
-                                                                                 for r in results)))
-    return out
+    t0, results = time.perf_counter(), []
+    for p in prompts:
+        if method == "plain":
+            results.append(plain_generate(target, [p], stop=stop)[0])
+        else:
+            results.append(speculative_generate(target, DraftModelProposer(draft), [p], stop=stop, k=k)[0])
+    el = time.perf_counter() - t0
+    toks = sum(len(r.token_ids) for r in results)
+    return dict(tokens=toks, seconds=el, tok_s=toks / el, outputs=[list(r.token_ids) for r in results],
+                tau=sum(r.stats.emitted for r in results) / max(1, sum(r.stats.target_forwards for r in results)))
 
 
 class Procs:
@@ -114,26 +111,29 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--delay-ms", type=float, default=50.0, help="artificial delay per target step")
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--target", default=None, help="target directory (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--draft", default=None, help="draft directory (default: the draft service's default)")
-    ap.add_argument("--json", default=None, help="also write the numbers here")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved repetitions; the median is reported")
+    ap.add_argument("--json", default=None, help="also write every run's numbers here")
     ap.add_argument("--log-dir", default="runs/bench-services")
     args = ap.parse_args()
-
-    import tempfile
 
     from draft_service.models import load_draft
     from specdec.models import load_model
     from specdec.rpc.launcher import RedisServer, _wait_serving, free_port
 
-    loaded = load_model()
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # clean up children
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.target)
     draft = load_draft(args.draft)
     prompts = load_prompts(loaded.tokenizer, args.prompts)
     n, k = args.max_new_tokens, args.k
-    print(f"# {len(prompts)} prompts x {n} tokens, k={k}, target {loaded.lm.name}, draft {draft.name}", flush=True)
-    results = {"in_process": in_process(loaded.lm, draft, prompts, n, k)}
-    print(f"in-process: plain {results['in_process']['plain']['tok_s']:.2f} tok/s, speculative "
-          f"{results['in_process']['speculative']['tok_s']:.2f} tok/s", flush=True)
-    del loaded, draft  # the services load their own copies
+    print(f"# {len(prompts)} prompts x {n} tokens, k={k}, {args.rounds} interleaved rounds, target {loaded.lm.name}, "
+          f"draft {draft.name}", flush=True)
 
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
@@ -141,18 +141,21 @@ def main() -> int:
     procs = Procs()
     ports = {name: free_port() for name in ("draft", "target", "target_slow", "c_plain", "c_pipe", "c_slow",
                                              "c_slow_pipe")}
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    runs: dict[str, list[dict]] = {}
     try:
         draft_argv = ["-m", "draft_service", "--host", "127.0.0.1", "--port", str(ports["draft"]), "--metrics-port",
-                      "-1"] + (["--draft", args.draft] if args.draft else [])
+                      "-1"] + (["--draft", args.draft] if args.draft else []) + threads
+        target_extra = (["--target", args.target] if args.target else []) + threads
         health = {"draft": "specdec.rpc.v1.DraftService", "target": "specdec.rpc.v1.TargetService",
                   "target_slow": "specdec.rpc.v1.TargetService"}
         started = {
             "draft": procs.start(*draft_argv, log=logs / "draft.log"),
             "target": procs.start("-m", "target_service", "--host", "127.0.0.1", "--port", str(ports["target"]),
-                                  "--metrics-port", "-1", log=logs / "target.log"),
+                                  "--metrics-port", "-1", *target_extra, log=logs / "target.log"),
             "target_slow": procs.start("-m", "target_service", "--host", "127.0.0.1", "--port",
                                        str(ports["target_slow"]), "--metrics-port", "-1", "--artificial-delay-ms",
-                                       str(args.delay_ms), log=logs / "target_slow.log"),
+                                       str(args.delay_ms), *target_extra, log=logs / "target_slow.log"),
         }
         coords = {"c_plain": ("target", False), "c_pipe": ("target", True), "c_slow": ("target_slow", False),
                   "c_slow_pipe": ("target_slow", True)}
@@ -166,48 +169,56 @@ def main() -> int:
 
         async def wait_all():
             for name, proc in started.items():
-                await _wait_serving(f"127.0.0.1:{ports[name]}", health[name], proc, timeout=600)
+                await _wait_serving(f"127.0.0.1:{ports[name]}", health[name], proc, timeout=900)
 
         asyncio.run(wait_all())
         addr = lambda name: f"127.0.0.1:{ports[name]}"  # noqa: E731
-        asyncio.run(through(addr("c_plain"), prompts[:1], 8, k))  # warm-up: first forward passes, tokenizer
-        runs = {
-            "services": (addr("c_plain"), prompts, False),
-            f"services x{args.concurrency} concurrent": (addr("c_plain"),
-                                                        [prompts[i % len(prompts)] for i in range(args.concurrency)],
-                                                        True),
-            "services, pipelined": (addr("c_pipe"), prompts, False),
-            f"services, target +{args.delay_ms:g} ms/step": (addr("c_slow"), prompts, False),
-            f"services, target +{args.delay_ms:g} ms/step, pipelined": (addr("c_slow_pipe"), prompts, False),
+        for name in coords:  # warm-up: first forward passes, tokenizer
+            asyncio.run(through(addr(name), prompts[:1], 4, k))
+        many = [prompts[i % len(prompts)] for i in range(args.concurrency)]
+        d = f"{args.delay_ms:g}"
+        configs = {
+            "in-process plain": lambda: in_process_run(loaded.lm, draft, prompts, n, k, "plain"),
+            "in-process speculative": lambda: in_process_run(loaded.lm, draft, prompts, n, k, "speculative"),
+            "services": lambda: asyncio.run(through(addr("c_plain"), prompts, n, k)),
+            f"services, {args.concurrency} concurrent": lambda: asyncio.run(through(addr("c_plain"), many, n, k,
+                                                                                    True)),
+            "services, pipelined": lambda: asyncio.run(through(addr("c_pipe"), prompts, n, k)),
+            f"services, target +{d} ms/step": lambda: asyncio.run(through(addr("c_slow"), prompts, n, k)),
+            f"services, target +{d} ms/step, pipelined": lambda: asyncio.run(through(addr("c_slow_pipe"), prompts,
+                                                                                      n, k)),
         }
-        for name, (address, ps, conc) in runs.items():
-            results[name] = asyncio.run(through(address, ps, n, k, conc))
-            print(f"{name}: {results[name]['tok_s']:.2f} tok/s", flush=True)
+        for r in range(args.rounds):  # interleaved, so a noisy neighbour hits every configuration alike
+            for name, fn in configs.items():
+                runs.setdefault(name, []).append(fn())
+                print(f"round {r + 1} {name}: {runs[name][-1]['tok_s']:.2f} tok/s", flush=True)
     finally:
         procs.stop()
         redis.stop()
 
-    plain = results["in_process"]["plain"]["outputs"]
-    spec = results["in_process"]["speculative"]
-    print(f"\n| run | tokens | s | tok/s | vs in-process speculative | tau | pipeline hits/misses | greedy == plain |")
+    # Per configuration: the run with the median tokens/s.
+    results = {name: sorted(rs, key=lambda x: x["tok_s"])[len(rs) // 2] for name, rs in runs.items()}
+    plain = results["in-process plain"]["outputs"]
+    spec = results["in-process speculative"]
+    print("\n| run (median of rounds) | tokens | s | tok/s | vs in-process speculative | tau | pipeline hits/misses "
+          "| greedy == plain |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, r in [("in-process plain", results["in_process"]["plain"]), ("in-process speculative", spec),
-                    *[(k_, v) for k_, v in results.items() if k_ != "in_process"]]:
-        outs = r["outputs"]
-        same = all(o == plain[i % len(plain)] for i, o in enumerate(outs))
+    for name, r in results.items():
+        same = all(o == plain[i % len(plain)] for i, o in enumerate(r["outputs"]))
         hm = f"{r.get('pipeline_hits', '-')}/{r.get('pipeline_misses', '-')}"
         print(f"| {name} | {r['tokens']} | {r['seconds']:.1f} | {r['tok_s']:.2f} | {r['tok_s'] / spec['tok_s']:.2f}x "
               f"| {r['tau']:.2f} | {hm} | {'yes' if same else 'NO'} |")
     single = results["services"]["tok_s"]
-    conc = results[f"services x{args.concurrency} concurrent"]["tok_s"]
+    conc = results[f"services, {args.concurrency} concurrent"]["tok_s"]
+    d = f"{args.delay_ms:g}"
+    slow, slow_pipe = results[f"services, target +{d} ms/step"], results[f"services, target +{d} ms/step, pipelined"]
     print(f"\nthrough services / in-process speculative: {single / spec['tok_s']:.2f}x")
     print(f"{args.concurrency} concurrent sessions / one at a time: {conc / single:.2f}x")
-    print(f"pipelining gain, no delay: {results['services, pipelined']['tok_s'] / single:.2f}x; with "
-          f"+{args.delay_ms:g} ms/step: {results[f'services, target +{args.delay_ms:g} ms/step, pipelined']['tok_s'] / results[f'services, target +{args.delay_ms:g} ms/step']['tok_s']:.2f}x")
+    print(f"pipelining gain, no delay: {results['services, pipelined']['tok_s'] / single:.2f}x; "
+          f"with +{d} ms/step: {slow_pipe['tok_s'] / slow['tok_s']:.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps({k_: {kk: vv for kk, vv in v.items() if kk != "outputs"}
-                                               if "outputs" in v else v for k_, v in results.items()}, indent=1,
-                                              default=str))
+        Path(args.json).write_text(json.dumps({name: [{kk: vv for kk, vv in r.items() if kk != "outputs"} for r in rs]
+                                               for name, rs in runs.items()}, indent=1))
     return 0
 
 

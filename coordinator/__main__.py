@@ -17,7 +17,7 @@
 --config FILE          TOML with any of these settings, keys with underscores (redis_url = "...");
                        flags given on the command line override the file
 Also: --host, --port, --metrics-port (-1: off), --pipeline, --propose-deadline-s, --max-k,
---max-message-bytes, --log-level.
+--max-message-bytes, --threads, --log-level.
 Serves grpc.health.v1 ("" and specdec.rpc.v1.Coordinator), reflection, and /metrics.
 """
 
@@ -30,7 +30,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from specdec.rpc.serving import add_common_flags, parse_settings, serve_until_signal, server_settings
+from specdec.rpc.serving import (add_common_flags, apply_threads, parse_settings, serve_until_signal,
+                                 server_settings)
 
 _NS_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    apply_threads(args)
     from coordinator.core import CoordinatorSettings
     from coordinator.discovery import EndpointSliceWatcher, parse_replicas
     from coordinator.servicer import start_coordinator_server

@@ -97,6 +97,7 @@ class SessionRun:
     target_addr: Optional[str] = None
     target_known: list[int] = field(default_factory=list)
     pending: Optional[_Pending] = None
+    last_fully_accepted: bool = False  # the last verified block was accepted whole
 
     @property
     def session_id(self) -> str:
@@ -194,7 +195,9 @@ class SessionRun:
 
     async def _propose(self, rep, k: int) -> DraftBlock:
         committed = list(self.rec.tokens)
-        pipeline = self.coord.settings.pipeline
+        # Drafting ahead pays only when the whole block and the guessed bonus are accepted (about
+        # alpha^(k+1)); try it after a fully accepted block, not after a rejection.
+        pipeline = self.coord.settings.pipeline and self.last_fully_accepted
         block = None
         if self.pending is not None:
             p, self.pending = self.pending, None
@@ -277,6 +280,7 @@ class SessionRun:
                                        self.sampling)
 
         v = await self._on_target(call)
+        self.last_fully_accepted = v.num_drafted > 0 and v.num_accepted == v.num_drafted
         self.stats.target_forwards += 1
         self.stats.drafted += v.num_drafted
         self.stats.accepted += v.num_accepted

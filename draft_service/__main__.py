@@ -10,7 +10,7 @@
 --config FILE       TOML with any of these settings, keys with underscores (max_sessions = 256);
                     flags given on the command line override the file
 Also: --host, --port, --metrics-port (-1: off), --max-batch, --batch-window-ms, --max-k,
---max-message-bytes, --log-level.
+--max-message-bytes, --threads, --log-level.
 Serves grpc.health.v1 ("" and specdec.rpc.v1.DraftService), reflection, and /metrics.
 """
 
@@ -22,7 +22,8 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from specdec.rpc.serving import add_common_flags, parse_settings, serve_until_signal, server_settings
+from specdec.rpc.serving import (add_common_flags, apply_threads, parse_settings, serve_until_signal,
+                                 server_settings)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    apply_threads(args)
     from draft_service.core import DraftSettings
     from draft_service.models import load_draft
     from draft_service.servicer import start_draft_server

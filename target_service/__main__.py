@@ -10,7 +10,7 @@
 --grace-period S      after SIGTERM: health NOT_SERVING, in-flight calls get S seconds (default 5)
 --config FILE         TOML with any of these settings, keys with underscores (max_batch = 8);
                       flags given on the command line override the file
-Also: --host, --port, --metrics-port (-1: off), --max-k, --max-message-bytes, --log-level,
+Also: --host, --port, --metrics-port (-1: off), --max-k, --max-message-bytes, --threads, --log-level,
 --artificial-delay-ms (benchmarks: sleep per verification step, standing in for a busy GPU).
 Serves grpc.health.v1 ("" and specdec.rpc.v1.TargetService), reflection, and /metrics.
 """
@@ -23,7 +23,8 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from specdec.rpc.serving import add_common_flags, parse_settings, serve_until_signal, server_settings
+from specdec.rpc.serving import (add_common_flags, apply_threads, parse_settings, serve_until_signal,
+                                 server_settings)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    apply_threads(args)
     from specdec.models import load_model
     from target_service.core import TargetSettings
     from target_service.servicer import start_target_server

@@ -277,6 +277,17 @@ def add_common_flags(parser: argparse.ArgumentParser, port: int, metrics_port: i
                         help="seconds in-flight calls get after SIGTERM (default 5)")
     parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads for this process (default 0: torch's default, one per core)")
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """Several model processes on one machine each default to a thread per core and then fight
+    over the cores; --threads caps this process."""
+    if getattr(args, "threads", 0) and args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
