@@ -1,10 +1,14 @@
 """Medusa-1 head training on a frozen target, from self-distilled data (the target's own answers).
 
 Recipe:
-1. Run the target once per sequence (prompt + answer) and keep its last hidden states at the
-   answer positions (float16, cached on disk in shards under `<out>/hidden/`, keyed by a hash
-   of the token ids, so more data later only costs the new sequences). The hidden state at
-   position j produced the target's guess for token j + 1; head i is trained on token j + 2 + i.
+1. Run the target once per sequence (prompt + answer) and keep its last hidden states and its
+   argmax at every position (float16, cached on disk in shards under `<out>/hidden-all/`, keyed
+   by a hash of the token ids, so more data later only costs the new sequences). Head i at
+   position j is trained on the token greedy decoding would emit i + 2 steps after j, which is
+   known exactly wherever the text follows the target's argmax for the next i + 1 tokens
+   (`head_labels`): everywhere in greedy answers, in stretches of prompts and sampled answers.
+   Prompts alone (no generation, one forward each) therefore add exact training positions
+   cheaply (`--extra-prompts`).
 2. Heads: residual blocks on that state, followed by the target's frozen output layer restricted
    to the `vocab` most frequent answer tokens (+ EOS). The restriction only limits what the
    heads can *draft*; the target still verifies over its full vocabulary, so output is unchanged.
@@ -49,6 +53,7 @@ class MedusaRecipe:
     positions_per_step: int = 512  # hidden states per optimizer step
     head_decay: float = 0.8  # loss weight of head i is head_decay ** i (Medusa)
     max_seq: int = 1024  # longer sequences keep their last max_seq tokens
+    include_prompt: bool = True  # also train on prompt positions (labels stay exact: see head_labels)
     heldout_every: int = 20  # every n-th sequence (by data order) is held out
     top_ranks: int = 10  # accuracy is measured for candidate ranks 0..top_ranks-1
     seed: int = 0
@@ -112,21 +117,25 @@ def frequent_tokens(examples: Sequence[Example], size: int, always: Sequence[int
 
 
 @torch.inference_mode()
-def answer_hidden(target: CausalLM, ex: Example, max_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (hidden [n, hidden] at the positions j whose next token j + 1 is an answer token,
-    tokens [n]: those next tokens, in order)."""
+def sequence_hidden(target: CausalLM, ex: Example, max_seq: int, include_prompt: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One target forward over prompt + answer -> (hidden [n, hidden] at the positions j whose
+    next token is trained on (answer tokens, or every token when include_prompt), tokens [n]:
+    those next tokens, greedy [n]: the target's argmax at each of those positions)."""
     ids = list(ex.prompt_ids) + list(ex.answer_ids)
-    start = len(ex.prompt_ids)
+    start = 1 if include_prompt else len(ex.prompt_ids)
     cut = max(0, len(ids) - max_seq)
     ids, start = ids[cut:], max(1, start - cut)
-    out = target.forward(target.new_cache(1), torch.tensor([ids]), logits_at=torch.tensor([0]), want_hidden=True)
+    out = target.forward(target.new_cache(1), torch.tensor([ids]), want_hidden=True)
     hidden = out.hidden[0, start - 1 : len(ids) - 1]  # [n, hidden]
-    return hidden.to(torch.float16).cpu(), torch.tensor(ids[start:], dtype=torch.int32)
+    greedy = out.logits[0, start - 1 : len(ids) - 1].argmax(-1)  # [n]
+    return (hidden.to(torch.float16).cpu(), torch.tensor(ids[start:], dtype=torch.int32),
+            greedy.to(torch.int32).cpu())
 
 
 class HiddenCache:
-    """Shards of (hidden float16 [rows, hidden], tokens int32 [rows], offsets [seqs + 1]) on disk,
-    with an index of which example keys each shard holds."""
+    """Shards of (hidden float16 [rows, hidden], tokens int32 [rows], greedy int32 [rows],
+    offsets [seqs + 1]) on disk, with an index of which example keys each shard holds."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -137,20 +146,22 @@ class HiddenCache:
     def keys(self) -> set[str]:
         return {k for ks in self.index.values() for k in ks}
 
-    def add_shard(self, keys: list[str], hiddens: list[torch.Tensor], tokens: list[torch.Tensor]) -> None:
+    def add_shard(self, keys: list[str], hiddens: list[torch.Tensor], tokens: list[torch.Tensor],
+                  greedy: list[torch.Tensor]) -> None:
         from safetensors.torch import save_file
 
         name = f"shard-{len(self.index):05d}.safetensors"
         offsets = torch.tensor([0] + [len(t) for t in tokens]).cumsum(0)
         tmp = self.root / (name + ".tmp")
-        save_file({"hidden": torch.cat(hiddens), "tokens": torch.cat(tokens), "offsets": offsets}, str(tmp))
+        save_file({"hidden": torch.cat(hiddens), "tokens": torch.cat(tokens), "greedy": torch.cat(greedy),
+                   "offsets": offsets}, str(tmp))
         tmp.replace(self.root / name)
         self.index[name] = keys
         tmp = self.root / "index.json.tmp"
         tmp.write_text(json.dumps(self.index))
         tmp.replace(self.root / "index.json")
 
-    def load(self, wanted: Sequence[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def load(self, wanted: Sequence[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         from safetensors.torch import load_file
 
         want = set(wanted)
@@ -162,31 +173,33 @@ class HiddenCache:
             off = t["offsets"].tolist()
             for i, k in enumerate(keys):
                 if k in want:
-                    out[k] = (t["hidden"][off[i] : off[i + 1]], t["tokens"][off[i] : off[i + 1]])
+                    out[k] = tuple(t[name][off[i] : off[i + 1]] for name in ("hidden", "tokens", "greedy"))
         return out
 
 
 def build_hidden_cache(target: CausalLM, examples: Sequence[Example], cache: HiddenCache, max_seq: int,
-                       shard_seqs: int = 64, time_budget_s: Optional[float] = None) -> int:
+                       include_prompt: bool = True, shard_seqs: int = 64,
+                       time_budget_s: Optional[float] = None) -> int:
     """Compute and store the hidden states of the examples not yet cached; returns how many."""
     have = cache.keys()
     todo = list({ex.key: ex for ex in examples if ex.key not in have}.values())
     t0 = time.monotonic()
-    keys, hiddens, tokens = [], [], []
+    keys, hiddens, tokens, greedy = [], [], [], []
     done = 0
     for ex in tqdm(todo, desc="target hidden states", unit="seq", disable=not todo):
-        h, t = answer_hidden(target, ex, max_seq)
+        h, t, g = sequence_hidden(target, ex, max_seq, include_prompt)
         keys.append(ex.key)
         hiddens.append(h)
         tokens.append(t)
+        greedy.append(g)
         if len(keys) >= shard_seqs:
-            cache.add_shard(keys, hiddens, tokens)
+            cache.add_shard(keys, hiddens, tokens, greedy)
             done += len(keys)
-            keys, hiddens, tokens = [], [], []
+            keys, hiddens, tokens, greedy = [], [], [], []
         if time_budget_s is not None and time.monotonic() - t0 > time_budget_s:
             break
     if keys:
-        cache.add_shard(keys, hiddens, tokens)
+        cache.add_shard(keys, hiddens, tokens, greedy)
         done += len(keys)
     return done
 
@@ -200,21 +213,43 @@ class PositionSet:
         return self.hidden.shape[0]
 
 
-def head_labels(tokens: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """tokens [n] (token j + 1 for hidden row j) -> labels [n, K]: head i at row j gets token
-    j + 2 + i, i.e. tokens[j + 1 + i]; -1 where that is past the end."""
+def head_labels(tokens: torch.Tensor, greedy: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Exact greedy targets for the heads, from any text the target read.
+
+    Row j: the hidden state that saw the text up to tokens[j - 1]; tokens[j] is the text's next
+    token and greedy[j] the target's argmax there. At decode time the committed token after
+    row j is greedy[j], and head i must name the token greedy decoding emits i + 1 steps later.
+    Where the text itself follows greedy decoding for the next i + 1 tokens (tokens[j..j+i] ==
+    greedy[j..j+i]), that token is greedy[j + 1 + i] exactly. Elsewhere the label is -1
+    (unknown without generating). On greedy self-distilled answers every row qualifies; on
+    prompts and sampled answers, the greedy-consistent stretches do.
+    tokens, greedy [n] -> labels [n, K] long.
+    """
     n = tokens.shape[0]
+    match = (tokens == greedy).tolist()
     labels = torch.full((n, num_heads), -1, dtype=torch.long)
+    run = 0  # length of the matching stretch starting at row j (computed backwards)
+    runs = [0] * n
+    for j in range(n - 1, -1, -1):
+        run = run + 1 if match[j] else 0
+        runs[j] = run
+    g = greedy.long()
     for i in range(num_heads):
-        if n > i + 1:
-            labels[: n - 1 - i, i] = tokens[1 + i :].long()
+        for j in range(n - 1 - i):
+            if runs[j] >= i + 1:
+                labels[j, i] = g[j + 1 + i]
     return labels
 
 
-def position_set(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], num_heads: int, hidden_size: int) -> PositionSet:
+def position_set(parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], num_heads: int,
+                 hidden_size: int) -> PositionSet:
+    """Rows with no label for any head are dropped."""
     if not parts:
         return PositionSet(torch.zeros(0, hidden_size, dtype=torch.float16), torch.zeros(0, num_heads, dtype=torch.long))
-    return PositionSet(torch.cat([h for h, _ in parts]), torch.cat([head_labels(t, num_heads) for _, t in parts]))
+    hidden = torch.cat([h for h, _, _ in parts])
+    labels = torch.cat([head_labels(t, g, num_heads) for _, t, g in parts])
+    useful = (labels >= 0).any(1)
+    return PositionSet(hidden[useful], labels[useful])
 
 
 # --- training ---------------------------------------------------------------------------------
@@ -279,8 +314,8 @@ def train_medusa(target: CausalLM, examples: Sequence[Example], out_dir: Path, *
     torch.manual_seed(recipe.seed)
 
     # 1. hidden states, once per sequence (cached).
-    cache = HiddenCache(out_dir / "hidden")
-    added = build_hidden_cache(target, examples, cache, recipe.max_seq)
+    cache = HiddenCache(out_dir / ("hidden-all" if recipe.include_prompt else "hidden-answers"))
+    added = build_hidden_cache(target, examples, cache, recipe.max_seq, recipe.include_prompt)
     if added:
         log(f"cached hidden states of {added} new sequences")
     keys = list(dict.fromkeys(ex.key for ex in examples))
@@ -446,6 +481,18 @@ def select_tree(target: CausalLM, heads: MedusaHeads, prompts: Sequence[Sequence
     return best, table
 
 
+def extra_prompt_examples(target, count: int, seed: int = 7) -> list[Example]:
+    """Training prompts without answers (specdec.training.prompts, never the evaluation set),
+    chat-formatted: the target only reads them, so they cost one forward each."""
+    from specdec.models import format_prompt
+    from specdec.training.prompts import training_prompts
+
+    if target.tokenizer is None:
+        raise InvalidRequest("--extra-prompts needs a target with a tokenizer")
+    return [Example((), tuple(format_prompt(target.tokenizer, p.text)[-384:]), "prompt:" + p.category)
+            for p in training_prompts(seed, count)]
+
+
 def run_training_cli(args) -> int:
     """`specdec train medusa ...`: load, train, optionally pick the default tree, summarize."""
     import platform
@@ -455,17 +502,19 @@ def run_training_cli(args) -> int:
 
     data = args.data or ["data/selfdistill"]
     examples = load_examples(data)
-    if not examples:
+    if not any(ex.answer_ids for ex in examples):
         raise InvalidRequest(f"no self-distilled data in {', '.join(data)}: make some with "
                              f"`python -m specdec.training.selfdistill --out data/selfdistill` (never the evaluation set)")
     if args.heads < 1 or args.layers < 1 or args.batch < 1 or args.vocab < 0:
         raise InvalidRequest("--heads, --layers and --batch must be >= 1, --vocab >= 0")
     budget_min = args.time_budget if args.time_budget is not None else (None if args.max_steps else 30.0)
     target = load_model(args.target)
+    if args.extra_prompts:
+        examples += extra_prompt_examples(target, args.extra_prompts)
     recipe = MedusaRecipe(num_heads=args.heads, num_layers=args.layers, vocab=args.vocab, lr=args.lr,
                           positions_per_step=args.batch)
     notes = {"command": " ".join(["specdec", *sys.argv[1:]]) if sys.argv[1:2] == ["train"] else None,
-             "data": data, "examples": len(examples), "time_budget_min": budget_min, "max_steps": args.max_steps}
+             "data": data, "examples": len(examples), "extra_prompts": args.extra_prompts, "time_budget_min": budget_min, "max_steps": args.max_steps}
     t0 = time.monotonic()
     heads, state = train_medusa(target.lm, examples, Path(args.out), recipe=recipe,
                                 target_name=target.lm.name,

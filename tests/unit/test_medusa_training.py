@@ -41,10 +41,20 @@ def _train(tiny_dir, data_file, out, *extra):
                  "--vocab", "0", "--batch", "128", "--checkpoint-every", "0", *extra])
 
 
-def test_head_labels_shift_by_head():
-    # tokens[j] is the token after hidden row j; head i at row j is trained on tokens[j + 1 + i].
-    labels = head_labels(torch.tensor([10, 11, 12, 13]), 2)
+def test_head_labels_shift_by_head_on_greedy_text():
+    # tokens[j] is the token after hidden row j; on greedy text head i at row j gets tokens[j + 1 + i].
+    tokens = torch.tensor([10, 11, 12, 13])
+    labels = head_labels(tokens, tokens.clone(), 2)
     assert labels.tolist() == [[11, 12], [12, 13], [13, -1], [-1, -1]]
+
+
+def test_head_labels_stop_where_the_text_leaves_greedy_decoding():
+    tokens = torch.tensor([10, 11, 12, 13, 14])
+    greedy = torch.tensor([10, 99, 12, 13, 20])  # the text departs from the argmax at rows 1 and 4
+    labels = head_labels(tokens, greedy, 2)
+    # row 0: committed 10 (matches), head 0 -> greedy[1] = 99 (the target's own next choice);
+    # head 1 needs rows 0 and 1 to match: row 1 does not.
+    assert labels.tolist() == [[99, -1], [-1, -1], [13, 20], [20, -1], [-1, -1]]
 
 
 def test_self_distilled_rows_load_from_a_directory(data_file):
