@@ -119,6 +119,8 @@ class SessionRun:
         coord = self.coord
         t0 = time.perf_counter() - self.stats.elapsed_s
         try:
+            if not self.finished:
+                await self._prefill_both()
             while not self.finished:
                 emitted = await self._step()
                 taken = self.checker.push(emitted)
@@ -171,6 +173,31 @@ class SessionRun:
             return await self._decode("", min(remaining, self.coord.settings.fallback_chunk), fallback=True)
         return await self._decode("" if self.method == "target" else self.method,
                                   min(remaining, self.coord.settings.decode_chunk), fallback=False)
+
+    async def _prefill_both(self) -> None:
+        """Load the session into its draft and target replicas at once (two processes, in parallel).
+        A failure here is not fatal: the first step prefills (or falls back) again."""
+        committed = list(self.rec.tokens)
+
+        async def draft(rep) -> None:
+            try:
+                await rep.client.prefill(self.session_id, committed)
+                self.draft_addr, self.draft_known = rep.address, committed
+            except SpecdecError as exc:
+                self.coord.draft_pool.mark_failed(rep.address, str(exc))
+
+        async def target(rep) -> None:
+            try:
+                await rep.client.prefill(self.session_id, committed)
+                self.target_addr, self.target_known = rep.address, committed
+            except SpecdecError as exc:
+                self.coord.target_pool.mark_failed(rep.address, str(exc))
+
+        async with asyncio.TaskGroup() as tg:
+            if self.method in DRAFT_METHODS and (rep := self.coord.draft_pool.pick(self.session_id)) is not None:
+                tg.create_task(draft(rep))
+            if (rep := self.coord.target_pool.pick(self.session_id)) is not None:
+                tg.create_task(target(rep))
 
     # --- draft -----------------------------------------------------------------------------
     def _drop_pending(self) -> None:

@@ -21,13 +21,14 @@ import torch
 from specdec.errors import InvalidRequest
 from specdec.kv_stack import split_cache, stack_caches
 from specdec.lm import CausalLM
-from specdec.proposers.draft_model import DraftModelProposer
+from specdec.proposers.draft_model import DraftModelProposer, common_prefix_len
 from specdec.rpc.batching import MicroBatcher
 from specdec.rpc.convert import check_token_ids, step_seed, token_digest
 from specdec.rpc.metrics import ServiceMetrics
 from specdec.rpc.serving import NotFound
 from specdec.sampling import make_generator
 from specdec.types import ProposeContext, SamplingParams
+from specdec.verify import load_committed
 
 log = logging.getLogger("draft_service")
 _DRAFT_SALT = 0x5EED
@@ -122,7 +123,16 @@ class DraftCore:
             raise InvalidRequest(f"{len(ids)} tokens exceed the draft's context of {self.draft.max_positions}")
         sess = self._session(session_id, create=True)
         async with sess.lock:
-            sess.tokens = ids  # the proposer feeds what its cache lacks at the next Propose
+            def work():
+                # Compute the prompt's KV now (the caller overlaps this with the target's prefill);
+                # the proposer keeps what its cache shares with the tokens and feeds only the rest.
+                proposer = sess.proposer
+                keep = min(common_prefix_len(proposer.cached_tokens[0], ids), int(proposer.cache.lengths[0]))
+                proposer.cache.truncate(torch.tensor([keep]))
+                load_committed(self.draft, proposer.cache, ids)
+                proposer.cached_tokens = [list(ids[:-1])]
+                sess.tokens = ids
+            await self.batcher.run_alone(work)
         self.metrics.session_rebuilds.inc()
         return len(ids)
 
