@@ -120,6 +120,18 @@ class Coordinator:
                 self._tokenizer = self._load_tokenizer(self._info.tokenizer_files)
         return self._info
 
+    async def draft_fits(self, rep) -> bool:
+        """Check a draft replica's vocabulary against the target's once; a misfit is refused for good."""
+        if rep.checked:
+            return rep.usable
+        info = await rep.client.info()
+        target = await self.info()
+        rep.checked = True
+        if info.vocab_size != target.vocab_size:
+            self.draft_pool.mark_unusable(rep.address, f"its vocabulary ({info.vocab_size} tokens) differs from the "
+                                                       f"target's ({target.vocab_size})")
+        return rep.usable
+
     @property
     def vocab_size(self) -> int:
         return self._info.vocab_size if self._info else 0

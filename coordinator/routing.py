@@ -49,6 +49,7 @@ class Replica(Generic[C]):
     healthy: bool = True
     open_until: float = 0.0  # breaker: not used before this time after a failure
     usable: bool = True  # False: permanently refused (e.g. a draft with another vocabulary)
+    checked: bool = False  # its model facts were checked against the target's
 
 
 @dataclass

@@ -181,6 +181,8 @@ class SessionRun:
 
         async def draft(rep) -> None:
             try:
+                if not await self.coord.draft_fits(rep):
+                    return
                 await rep.client.prefill(self.session_id, committed)
                 self.draft_addr, self.draft_known = rep.address, committed
             except SpecdecError as exc:
@@ -208,6 +210,8 @@ class SessionRun:
     async def _send_propose(self, rep, tokens: list[int], k: int, with_guess: bool) -> DraftBlock:
         client: DraftClient = rep.client
         if rep.address != self.draft_addr:
+            if not await self.coord.draft_fits(rep):
+                raise DraftOut()
             self.draft_addr, self.draft_known = None, []
             await client.prefill(self.session_id, tokens)
             self.draft_addr, self.draft_known = rep.address, list(tokens)
@@ -231,7 +235,7 @@ class SessionRun:
             if p.assumed == tuple(committed) and p.address == rep.address and len(p.assumed) > 0:
                 try:
                     block = await p.task
-                except (SpecdecError, asyncio.CancelledError):
+                except (SpecdecError, DraftOut, asyncio.CancelledError):
                     block = None
                 if block is not None and len(block.token_ids) < k:
                     block = None

@@ -11,6 +11,7 @@ from specdec.rpc.serving import ServerSettings, start_server
 from specdec.rpc.metrics import ServiceMetrics
 from specdec.rpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.types import SamplingParams
+from tests.conftest import assert_greedy_equal
 from tests.services.stack import local_stack, run
 
 OK_PROMPT = [5, 6, 7, 8]
@@ -129,3 +130,32 @@ def test_unexpected_errors_reach_clients_as_internal_without_details():
     code, details = run(scenario())
     assert code == grpc.StatusCode.INTERNAL
     assert details == "internal error"
+
+
+def test_an_overloaded_target_answers_resource_exhausted(redis_url, long_target):
+    from target_service.core import TargetSettings
+
+    async def scenario():
+        async with local_stack(redis_url, long_target, target_settings=TargetSettings(max_queue=0)) as st:
+            return await _code(st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=4, method="plain")))
+
+    code, message = run(scenario())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "busy" in message
+
+
+def test_a_draft_with_another_vocabulary_is_refused_and_the_target_decodes_alone(redis_url, long_target):
+    from specdec.decode import plain_generate
+    from specdec.models import tiny_llama
+    from specdec.types import StopConditions
+
+    other_vocab = tiny_llama(seed=5, vocab_size=80, num_layers=1, hidden_size=32)
+
+    async def scenario():
+        async with local_stack(redis_url, long_target, other_vocab) as st:
+            out = await st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=12))
+            return out, st.drafts[0].core.sessions, st.core.draft_pool.live()
+
+    out, draft_sessions, live = run(scenario())
+    want = plain_generate(long_target, [OK_PROMPT], stop=StopConditions(max_new_tokens=12))[0].token_ids
+    assert_greedy_equal(long_target, OK_PROMPT, out.token_ids, want)
+    assert out.stats["fallback_steps"] > 0 and not draft_sessions and not live
