@@ -88,6 +88,7 @@ class Coordinator:
         self.settings = settings
         self.metrics = metrics or ServiceMetrics("coordinator")
         self.runs: dict[str, SessionRun] = {}
+        self.background: set[asyncio.Task] = set()  # fire-and-forget calls (cache releases)
         self._info: Optional[ModelInfo] = None
         self._tokenizer = None
         self._tokenizer_dir: Optional[tempfile.TemporaryDirectory] = None

@@ -133,6 +133,7 @@ class SessionRun:
                 coord.metrics.generated_tokens.inc(len(taken))
                 async with self.changed:
                     self.changed.notify_all()
+            self._release_caches()
         except asyncio.CancelledError:
             await self._pause()
             raise
@@ -173,6 +174,22 @@ class SessionRun:
             return await self._decode("", min(remaining, self.coord.settings.fallback_chunk), fallback=True)
         return await self._decode("" if self.method == "target" else self.method,
                                   min(remaining, self.coord.settings.decode_chunk), fallback=False)
+
+    def _release_caches(self) -> None:
+        """A finished session's KV caches are freed at once (best effort; LRU eviction is the backstop)."""
+        async def release(pool, address) -> None:
+            rep = pool.replicas.get(address) if address else None
+            if rep is not None:
+                try:
+                    await rep.client.release(self.session_id)
+                except SpecdecError:
+                    pass
+
+        loop = asyncio.get_running_loop()
+        for pool, address in ((self.coord.draft_pool, self.draft_addr), (self.coord.target_pool, self.target_addr)):
+            task = loop.create_task(release(pool, address))
+            self.coord.background.add(task)
+            task.add_done_callback(self.coord.background.discard)
 
     async def _prefill_both(self) -> None:
         """Load the session into its draft and target replicas at once (two processes, in parallel).

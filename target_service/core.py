@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -110,7 +110,8 @@ class TargetCore:
         self.tokenizer_dir = tokenizer_dir
         self._last_seen: dict[str, float] = {}
         self.sessions: OrderedDict[str, TargetSession] = OrderedDict()
-        self.prefills: Counter[str] = Counter()  # per session: how often it was (re)built here
+        # Per session: how often it was (re)built here (the most recent sessions only; for tests and debugging).
+        self.prefills: OrderedDict[str, int] = OrderedDict()
         self.methods = methods if methods is not None else discover_methods(target)
         # Keep every session's last hidden state when a loaded method reads it (Medusa heads).
         self.needs_hidden = any(getattr(build, "needs_hidden", False) for build in self.methods.values())
@@ -174,7 +175,10 @@ class TargetCore:
                 return len(ids)
             n = await self.batcher.run_alone(work)
         self.metrics.session_rebuilds.inc()
-        self.prefills[session_id] += 1
+        self.prefills[session_id] = self.prefills.get(session_id, 0) + 1
+        self.prefills.move_to_end(session_id)
+        while len(self.prefills) > 10 * self.settings.max_sessions:
+            self.prefills.popitem(last=False)
         return n
 
     def _sync(self, sess: TargetSession, pos: Position) -> None:

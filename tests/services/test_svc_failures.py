@@ -51,14 +51,14 @@ def test_draft_killed_mid_generation_falls_back_and_drafting_resumes_after_resta
                     restarted = True
             proposes = sum(s.value for s in fresh.metrics.request_latency.collect()[0].samples
                            if s.name.endswith("_count") and s.labels["method"] == "Propose")
-            return chunks, proposes, fresh.core.sessions.keys(), sid
+            return chunks, proposes
 
-    chunks, proposes, fresh_sessions, sid = run(scenario())
+    chunks, proposes = run(scenario())
     tokens = _contiguous(chunks)
     assert_greedy_equal(long_target, PROMPT, tokens, _plain(long_target, PROMPT, 100))
     stats = chunks[-1].stats
     assert stats["fallback_steps"] > 0, "the target never continued alone"
-    assert sid in fresh_sessions and proposes > 0, "drafting did not resume after the draft restarted"
+    assert proposes > 0, "drafting did not resume after the draft restarted"
 
 
 def test_target_restarted_mid_session_completes_from_redis(redis_url, long_target, weak_draft):

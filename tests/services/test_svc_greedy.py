@@ -26,10 +26,16 @@ def _plain(lm, prompt, n):
 def test_draft_method_equals_in_process_speculative_and_plain(redis_url, tiny_target, tiny_draft):
     async def scenario():
         async with local_stack(redis_url, tiny_target, tiny_draft) as st:
-            return await asyncio.gather(*(st.client.generate(st.client.request(token_ids=p, max_tokens=40,
+            outs = await asyncio.gather(*(st.client.generate(st.client.request(token_ids=p, max_tokens=40,
                                                                                 method="draft")) for p in PROMPTS))
+            for _ in range(50):  # finished sessions release their KV caches on both services
+                if not st.targets[0].core.sessions and not st.drafts[0].core.sessions:
+                    break
+                await asyncio.sleep(0.1)
+            return outs, len(st.targets[0].core.sessions) + len(st.drafts[0].core.sessions)
 
-    outs = run(scenario())
+    outs, held = run(scenario())
+    assert held == 0, "finished sessions kept their KV caches"
     stop = StopConditions(max_new_tokens=40, eos_token_ids=tiny_target.eos_token_ids)
     for p, out in zip(PROMPTS, outs):
         plain = _plain(tiny_target, p, 40)
