@@ -110,6 +110,8 @@ def _add_train_medusa(tsub: argparse._SubParsersAction) -> None:
     p.add_argument("--pick-tree-tokens", type=int, default=48, metavar="T", help="tokens per prompt when timing trees")
     p.add_argument("--extra-prompts", type=int, default=0, metavar="N",
                    help="also train on N generated training prompts (read only, no answers: cheap exact positions)")
+    p.add_argument("--backend", default="hf", choices=["hf", "fast"],
+                   help="how the target runs while its hidden states are computed (fast: same outputs, faster on CPU)")
     p.set_defaults(func=_cmd_train_medusa)
 
 

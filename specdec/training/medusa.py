@@ -436,11 +436,11 @@ def train_medusa(target: CausalLM, examples: Sequence[Example], out_dir: Path, *
 # --- choosing the default tree by measurement ------------------------------------------------
 
 def tree_candidates(accuracy: Sequence[Sequence[float]], num_heads: int,
-                    sizes: Sequence[int] = (2, 3, 4, 6, 8, 12, 16)) -> dict[str, list[tuple[int, ...]]]:
+                    sizes: Sequence[int] = (3, 5, 8, 12, 16)) -> dict[str, list[tuple[int, ...]]]:
     """Named trees to time: the top-1 chains of every depth and the greedy trees of `sizes` nodes."""
     from specdec.tree import chain_tree, greedy_tree
 
-    out = {f"chain{d}": chain_tree(d) for d in range(1, num_heads + 1)}
+    out = {f"chain{d}": chain_tree(d) for d in range(2, num_heads + 1)}
     if accuracy:
         for n in sizes:
             out[f"greedy{n}"] = greedy_tree(accuracy, n)
@@ -508,13 +508,13 @@ def run_training_cli(args) -> int:
     if args.heads < 1 or args.layers < 1 or args.batch < 1 or args.vocab < 0:
         raise InvalidRequest("--heads, --layers and --batch must be >= 1, --vocab >= 0")
     budget_min = args.time_budget if args.time_budget is not None else (None if args.max_steps else 30.0)
-    target = load_model(args.target)
+    target = load_model(args.target, backend=args.backend)
     if args.extra_prompts:
         examples += extra_prompt_examples(target, args.extra_prompts)
     recipe = MedusaRecipe(num_heads=args.heads, num_layers=args.layers, vocab=args.vocab, lr=args.lr,
                           positions_per_step=args.batch)
     notes = {"command": " ".join(["specdec", *sys.argv[1:]]) if sys.argv[1:2] == ["train"] else None,
-             "data": data, "examples": len(examples), "extra_prompts": args.extra_prompts, "time_budget_min": budget_min, "max_steps": args.max_steps}
+             "data": data, "examples": len(examples), "extra_prompts": args.extra_prompts, "backend": args.backend, "time_budget_min": budget_min, "max_steps": args.max_steps}
     t0 = time.monotonic()
     heads, state = train_medusa(target.lm, examples, Path(args.out), recipe=recipe,
                                 target_name=target.lm.name,
