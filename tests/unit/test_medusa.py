@@ -211,3 +211,13 @@ def test_tree_by_size_uses_the_measured_accuracies(tiny_target, tiny_heads):
     with pytest.raises(InvalidRequest, match="accuracies"):
         MedusaProposer(tiny_target, untrained, "5")
     assert MedusaProposer(tiny_target, untrained).tree.paths == ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))
+
+
+def test_eval_counts_head_hits_against_the_greedy_answer(tiny_target, tiny_heads):
+    from specdec.training.medusa_eval import head_top1
+
+    prompt = [9, 8, 7, 6]
+    answer = list(plain_generate(tiny_target, [prompt], stop=StopConditions(max_new_tokens=16))[0].token_ids)
+    hits, counted = head_top1(tiny_target, tiny_heads, prompt, answer)
+    assert counted == [len(answer) - 1 - i for i in range(4)]  # head i has a label for all but the last i + 1 rows
+    assert all(0 <= h <= c for h, c in zip(hits, counted)) and sum(hits) > 0
