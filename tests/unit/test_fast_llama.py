@@ -179,3 +179,15 @@ def test_refuses_a_model_it_cannot_run_with_a_clear_error():
 def test_refuses_a_cache_from_another_backend(pair, tiny_target):
     with pytest.raises(TypeError, match="new_cache"):
         pair[1].forward(tiny_target.new_cache(1), torch.tensor([[1]]))
+
+
+def test_fused_rms_norm_equals_transformers_rms_norm_bitwise():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from specdec.fast.llama import _rms_norm
+
+    norm = LlamaRMSNorm(576, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=torch.Generator().manual_seed(0)))
+        x = torch.randn(64, 3, 576, generator=torch.Generator().manual_seed(1)) * 3
+        assert torch.equal(_rms_norm(x, norm.weight, 1e-5), norm(x))
