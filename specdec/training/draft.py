@@ -6,7 +6,8 @@ Recipe (chosen by measurement, see the README's draft section):
    decoder layers + the target's final norm; output layer = the tied embedding rows of the
    `vocab` most frequent tokens of the training answers (FR-Spec: a reduced draft vocabulary
    cuts the draft's largest matmul; tokens outside it are simply never drafted).
-2. Teacher: the target's top-`topk` logits at every answer position, computed once and cached
+2. Teacher: the target's top-`topk` logits at every position (answers, and prompts too by
+   default: the target's distribution over any text it reads is signal), computed once and cached
    (so training never runs the target again), renormalised over those top-k tokens.
 3. Loss: cross-entropy of the draft's subset distribution against the teacher's top-k
    distribution (forward KL up to a constant). AdamW, cosine decay, gradient clipping.
@@ -43,6 +44,9 @@ class DraftRecipe:
     tokens_per_step: int = 2048  # answer tokens per optimiser step (packed sequences)
     max_seq: int = 768  # longer sequences keep their last max_seq tokens
     heldout_every: int = 20  # every n-th sequence is held out for the agreement metric
+    # Also learn the target's distribution over the prompt tokens, not just its answers: the teacher
+    # is the target reading any text, so prompts triple the training positions for free.
+    prompt_positions: bool = True
     seed: int = 0
 
 
@@ -108,8 +112,9 @@ def prepare(rows: list[dict], recipe: DraftRecipe) -> list[dict]:
         ids = list(r["prompt_ids"]) + list(r["answer_ids"])
         start = len(r["prompt_ids"])
         cut = max(0, len(ids) - recipe.max_seq)
-        out.append({"index_key": f"{r['source']}:{r['index']}:{int(r['sampled'])}", "category": r["category"],
-                    "ids": ids[cut:], "answer_start": max(1, start - cut)})
+        first = 1 if recipe.prompt_positions else max(1, start - cut)
+        out.append({"index_key": f"{r['source']}:{r['index']}:{int(r['sampled'])}:{first}", "category": r["category"],
+                    "ids": ids[cut:], "answer_start": first})
     return out
 
 
