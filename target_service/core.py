@@ -134,14 +134,15 @@ class TargetCore:
         self._last_seen[session_id] = time.monotonic()
         return sess
 
-    def _others_active(self) -> bool:
-        """More than one session called in the last second: a batch window can collect company."""
+    def _others_active(self) -> int:
+        """Sessions that called in the last 2 s: how many requests a batch can hope to collect."""
         now = time.monotonic()
-        for sid in [s for s, t in self._last_seen.items() if now - t > 1.0]:
+        for sid in [s for s, t in self._last_seen.items() if now - t > 2.0]:
             del self._last_seen[sid]
-        return len(self._last_seen) > 1
+        return len(self._last_seen)
 
     def release(self, session_id: str) -> bool:
+        self._last_seen.pop(session_id, None)
         found = self.sessions.pop(session_id, None) is not None
         self.metrics.sessions.set(len(self.sessions))
         return found

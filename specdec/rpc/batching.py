@@ -1,6 +1,13 @@
 """Micro-batching: requests that arrive within a short window run as one batch on one worker
 thread (the model's), so concurrent sessions share forward passes and the event loop never
-blocks on torch."""
+blocks on torch.
+
+Sessions cycle through two services (draft, then target), so they tend to split into cohorts
+that reach each service at different times, each cohort a small batch. When more sessions are
+active than are queued, the first request of a batch therefore waits a little for the rest:
+up to `window_s`, stretched to `merge_fraction` of the last batch's run time (a straggler that
+arrives within that much is cheaper to take along than to serve in a batch of its own).
+"""
 
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ class MicroBatcher(Generic[T]):
     def __init__(self, run_batch: Callable[[Sequence[T]], Sequence[Any]], max_batch: int = 8,
                  window_s: float = 0.002, max_queue: int = 256, metrics: Optional[ServiceMetrics] = None,
                  executor: Optional[concurrent.futures.Executor] = None,
-                 expect_company: Optional[Callable[[], bool]] = None):
+                 expect_company: Optional[Callable[[], int]] = None, merge_fraction: float = 0.3):
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         self.run_batch = run_batch
@@ -36,8 +43,10 @@ class MicroBatcher(Generic[T]):
         self.max_queue = max_queue
         self.metrics = metrics
         self.executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
-        # Whether waiting the window can pay off (e.g. other sessions are active); None: always wait.
+        # How many requests a batch can expect (e.g. the sessions active lately); None: always wait window_s.
         self.expect_company = expect_company
+        self.merge_fraction = merge_fraction
+        self._last_run_s = 0.0
         self._queue: asyncio.Queue[_Item[T]] = asyncio.Queue()
         self._worker: Optional[asyncio.Task] = None
 
@@ -66,9 +75,12 @@ class MicroBatcher(Generic[T]):
         loop = asyncio.get_running_loop()
         while True:
             batch = [await self._queue.get()]
-            wait = self.window_s if self.expect_company is None or self.expect_company() else 0.0
+            expected = self.max_batch if self.expect_company is None else min(self.max_batch, self.expect_company())
+            wait = 0.0 if expected <= 1 else max(self.window_s, self.merge_fraction * self._last_run_s)
             end = loop.time() + wait
             while len(batch) < self.max_batch:
+                if len(batch) >= expected and self._queue.empty():
+                    break
                 if not self._queue.empty():
                     batch.append(self._queue.get_nowait())
                     continue
@@ -85,10 +97,14 @@ class MicroBatcher(Generic[T]):
                 continue
             if self.metrics is not None:
                 self.metrics.batch_size.observe(len(batch))
+            t0 = loop.time()
             try:
                 results = await loop.run_in_executor(self.executor, self.run_batch, [it.payload for it in batch])
             except Exception as exc:  # noqa: BLE001 - a failed batch fails each of its callers
                 results = [exc] * len(batch)
+            self._last_run_s = loop.time() - t0
+            if self.metrics is not None:
+                self.metrics.model_busy.inc(self._last_run_s)
             for it, res in zip(batch, results):
                 if it.future.done():
                     continue

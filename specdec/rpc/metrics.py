@@ -21,6 +21,8 @@ class ServiceMetrics:
         self.queue_depth = Gauge(f"{PREFIX}_queue_depth", "requests waiting for the model", registry=r)
         self.batch_size = Histogram(f"{PREFIX}_batch_size", "sessions per model forward", registry=r,
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32))
+        self.model_busy = Counter(f"{PREFIX}_model_busy_seconds", "time the model thread spent running batches",
+                                  registry=r)
         self.sessions = Gauge(f"{PREFIX}_sessions", "sessions held (KV caches in memory, or live generations)",
                               registry=r)
         self.session_rebuilds = Counter(f"{PREFIX}_session_rebuilds", "sessions rebuilt from their committed tokens",
