@@ -38,6 +38,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="LOSSY: Medusa typical acceptance when sampling (output no longer follows the target's distribution)")
     p.add_argument("--posterior-threshold", type=float, default=0.09, help="typical acceptance epsilon (default 0.09)")
     p.add_argument("--posterior-alpha", type=float, default=0.3, help="typical acceptance delta (default 0.3)")
+    p.add_argument("--window", type=int, default=None, metavar="W", help="lookahead: Jacobi window columns (default 4)")
+    p.add_argument("--ngram", type=int, default=None, metavar="N",
+                   help="lookahead: n-gram size; guesses are min(N-1, --k) tokens (default 3)")
+    p.add_argument("--guess", type=int, default=None, metavar="G", help="lookahead: guesses verified per step (default 2)")
     p.set_defaults(func=_cmd_generate)
 
 
@@ -59,7 +63,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise SpecdecError("the prompt is empty")
     if args.method == "draft" and args.draft is None:
         raise SpecdecError("--method draft needs --draft DIR (a model sharing the target's vocabulary)")
+    lookahead = _lookahead_config(args)
     engine = Engine(EngineConfig(target=args.target, draft=args.draft if args.method == "draft" else None,
+                                 lookahead=lookahead,
                                  backend=args.backend, medusa_heads=args.heads, medusa_tree=args.tree))
     out = engine.complete(args.prompt, method=args.method, sampling=sampling, stop=stop, k=k, chat=not args.no_chat)
     s = out.result.stats
@@ -119,6 +125,13 @@ def _cmd_train_medusa(args: argparse.Namespace) -> int:
     from specdec.training.medusa import run_training_cli
 
     return run_training_cli(args)
+
+
+def _lookahead_config(args: argparse.Namespace):
+    from specdec.proposers.lookahead import LookaheadConfig
+
+    given = {"window": args.window, "ngram": args.ngram, "guess": args.guess}
+    return LookaheadConfig(**{k: v for k, v in given.items() if v is not None})
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:

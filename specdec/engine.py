@@ -13,6 +13,7 @@ from specdec.models import LoadedModel, check_compatible, format_prompt, load_mo
 from specdec.proposers import make_proposer
 from specdec.proposers.medusa import medusa_for_engine
 from specdec.proposers.base import Proposer
+from specdec.proposers.lookahead import LookaheadConfig
 from specdec.stopping import cut_at_stop_string
 from specdec.types import GenerationResult, SamplingParams, StopConditions
 
@@ -25,6 +26,7 @@ class EngineConfig:
     medusa_heads: Optional[str] = None  # Medusa heads directory (None: the heads shipped for the target)
     medusa_tree: Optional[str] = None  # Medusa tree: None/"auto", "chain", a node count, or JSON paths
     backend: str = "hf"  # how the target runs: "hf" (transformers), "fast" (specdec's Llama forward), "fast-bf16"
+    lookahead: LookaheadConfig = LookaheadConfig()  # window W, n-gram size N, guesses G for "lookahead"
 
 
 # Method name -> how to build its proposer from the engine. "plain" has none.
@@ -34,6 +36,7 @@ METHODS: dict[str, Optional[ProposerBuilder]] = {
     "prompt-lookup": lambda engine: make_proposer("prompt_lookup"),
     "draft": lambda engine: make_proposer("draft_model", draft=engine.require_draft().lm),
     "medusa": lambda engine: medusa_for_engine(engine),
+    "lookahead": lambda engine: make_proposer("lookahead", config=engine.config.lookahead),
 }
 
 
