@@ -98,6 +98,7 @@ class SessionRun:
     target_known: list[int] = field(default_factory=list)
     pending: Optional[_Pending] = None
     last_fully_accepted: bool = False  # the last verified block was accepted whole
+    _commit: Optional[asyncio.Future] = None  # the Redis write in flight
 
     @property
     def session_id(self) -> str:
@@ -127,9 +128,10 @@ class SessionRun:
                 self.stats.emitted += len(taken)
                 self.stats.elapsed_s = time.perf_counter() - t0
                 status = "done" if self.finished else "running"
-                # 4. commit before anyone sees the tokens.
-                await coord.store.commit(self.rec, taken, status, self.checker.finish_reason or "",
-                                         self.stats.to_dict())
+                # 4. commit before anyone sees the tokens; a cancellation does not cut a write in half.
+                self._commit = asyncio.ensure_future(coord.store.commit(
+                    self.rec, taken, status, self.checker.finish_reason or "", self.stats.to_dict()))
+                await asyncio.shield(self._commit)
                 coord.metrics.generated_tokens.inc(len(taken))
                 async with self.changed:
                     self.changed.notify_all()
@@ -150,9 +152,11 @@ class SessionRun:
 
     async def _pause(self) -> None:
         """Leave the session resumable: status paused (shielded from the cancellation itself)."""
-        if self.finished:
-            return
         try:
+            if self._commit is not None and not self._commit.done():
+                await asyncio.shield(self._commit)  # let a write in flight land first
+            if self.finished:
+                return
             await asyncio.shield(self.coord.store.commit(self.rec, [], "paused", "", self.stats.to_dict()))
         except (SpecdecError, asyncio.CancelledError):
             pass
