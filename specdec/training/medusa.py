@@ -15,10 +15,12 @@ Recipe:
    It makes training and drafting ~6x cheaper at 8192 of 49152 tokens.
 3. Loss: cross-entropy per head, head i weighted decay**i (Medusa), AdamW, warm-up then cosine
    decay over the step or time budget; every `heldout_every`-th sequence is held out.
-4. Checkpoints every few minutes (heads, optimizer, step, elapsed time) with `--resume`; the
+4. The snapshot with the best held-out top-1 (evaluated at every checkpoint) is the one shipped:
+   with a few thousand positions the heads overfit within minutes.
+5. Checkpoints every few minutes (heads, optimizer, step, elapsed time) with `--resume`; the
    batch order is a function of the step, so a resumed run sees the same batches. The heads
    directory is rewritten at every checkpoint, so an interrupted run still leaves usable heads.
-5. At the end: per-head, per-rank accuracy on held-out positions (drives the automatic tree),
+6. At the end: per-head, per-rank accuracy on held-out positions (drives the automatic tree),
    and optionally a timed choice of the default tree on held-out prompts on this machine.
 """
 
@@ -336,6 +338,9 @@ def train_medusa(target: CausalLM, examples: Sequence[Example], out_dir: Path, *
                       vocab_ids=vocab_ids if recipe.vocab else None).float().train()
     opt = torch.optim.AdamW(heads.parameters(), lr=recipe.lr, weight_decay=0.0)
     state = TrainState()
+    # With little data the heads overfit within minutes: keep the snapshot that did best on the
+    # held-out positions (top-1 per head, head i weighted head_decay**i) and ship that one.
+    best: dict = {"score": -1.0, "step": 0, "heads": None}
     if resume and ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
         if saved["recipe"] != asdict(recipe):
@@ -343,6 +348,7 @@ def train_medusa(target: CausalLM, examples: Sequence[Example], out_dir: Path, *
         heads.load_state_dict(saved["heads"])
         opt.load_state_dict(saved["optimizer"])
         state = TrainState(**saved["state"])
+        best = saved.get("best", best)
         log(f"resumed at step {state.step} ({state.elapsed_s / 60:.1f} min trained)")
     log(f"training {recipe.num_heads} heads on {len(train)} positions ({len(train_keys)} sequences), "
         f"held out {len(heldout)} positions; draftable vocabulary {len(vocab_ids)}")
@@ -376,6 +382,14 @@ def train_medusa(target: CausalLM, examples: Sequence[Example], out_dir: Path, *
         heads.train()
         return [row[0] for row in acc]
 
+    def evaluate() -> None:
+        top1 = heldout_top1()
+        state.history.append((state.step, top1))
+        score = sum(recipe.head_decay ** i * a for i, a in enumerate(top1))
+        if score > best["score"]:
+            best.update(score=score, step=state.step,
+                        heads={k: v.detach().clone() for k, v in heads.state_dict().items()})
+
     def write(final: bool) -> HeadsConfig:
         heads.eval()
         accuracy = (rank_accuracy(heads, heldout, weight, to_subset, recipe.top_ranks) if final and len(heldout)
@@ -385,12 +399,13 @@ def train_medusa(target: CausalLM, examples: Sequence[Example], out_dir: Path, *
                       notes={**(notes or {}), "recipe": asdict(recipe), "steps": state.step,
                              "positions_seen": state.positions_seen, "train_minutes": round(state.elapsed_s / 60, 1),
                              "train_sequences": len(train_keys), "heldout_sequences": len(held_keys),
-                             "history": state.history, "final": final})
+                             "history": state.history, "selected_step": best["step"] if final else None,
+                             "final": final})
         heads.config = cfg
         save_heads(heads, out_dir, cfg)
         tmp = out_dir / "checkpoint.pt.tmp"
         torch.save({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "state": asdict(state),
-                    "recipe": asdict(recipe)}, tmp)
+                    "recipe": asdict(recipe), "best": best}, tmp)
         tmp.replace(ckpt)
         return cfg
 
@@ -420,12 +435,15 @@ def train_medusa(target: CausalLM, examples: Sequence[Example], out_dir: Path, *
         bar.set_postfix(loss=f"{loss.item():.3f}", top1="/".join(f"{a:.2f}" for a in hits_avg.tolist()),
                         min=f"{state.elapsed_s / 60:.1f}")
         if time.monotonic() - last_ckpt > checkpoint_every_s:
-            state.history.append((state.step, heldout_top1()))
+            evaluate()
             write(final=False)
             last_ckpt = time.monotonic()
     bar.close()
     state.elapsed_s = time.monotonic() - t0
-    state.history.append((state.step, heldout_top1()))
+    evaluate()
+    if best["heads"] is not None and best["step"] != state.step:
+        heads.load_state_dict(best["heads"])
+        log(f"keeping the step-{best['step']} heads (best on held-out positions)")
     cfg = write(final=True)
     log(f"medusa heads: {state.step} steps, {state.positions_seen} positions, {state.elapsed_s / 60:.1f} min; "
         f"held-out top-1 per head {[row[0] for row in cfg.accuracy]}, top-5 "
