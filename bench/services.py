@@ -12,6 +12,11 @@ Measures, greedy, on dev prompts (one per category, chat template, first turn):
    for a busy GPU or a network hop: the target process sleeps, using no CPU).
 Every run is checked token for token against plain decoding. Numbers are tokens/s of generated
 tokens, wall clock, including prompt processing.
+
+Pipelining hides at most min(draft time, verify time) per hit, and a hit needs the whole block
+and the guessed bonus accepted; `--draft-delay-ms` makes the draft slower to show where it pays
+(e.g. a draft on another machine). The coordinator therefore runs it only with --pipeline, and
+only after a fully accepted block.
 """
 
 from __future__ import annotations
@@ -110,6 +115,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--delay-ms", type=float, default=50.0, help="artificial delay per target step")
+    ap.add_argument("--draft-delay-ms", type=float, default=0.0,
+                    help="artificial delay per Propose (a slower draft: what pipelining can hide)")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--target", default=None, help="target directory (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--draft", default=None, help="draft directory (default: the draft service's default)")
@@ -133,7 +140,7 @@ def main() -> int:
     prompts = load_prompts(loaded.tokenizer, args.prompts)
     n, k = args.max_new_tokens, args.k
     print(f"# {len(prompts)} prompts x {n} tokens, k={k}, {args.rounds} interleaved rounds, target {loaded.lm.name}, "
-          f"draft {draft.name}", flush=True)
+          f"draft {draft.name}, draft delay {args.draft_delay_ms:g} ms", flush=True)
 
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
@@ -146,6 +153,8 @@ def main() -> int:
     try:
         draft_argv = ["-m", "draft_service", "--host", "127.0.0.1", "--port", str(ports["draft"]), "--metrics-port",
                       "-1"] + (["--draft", args.draft] if args.draft else []) + threads
+        if args.draft_delay_ms:
+            draft_argv += ["--artificial-delay-ms", str(args.draft_delay_ms)]
         target_extra = (["--target", args.target] if args.target else []) + threads
         health = {"draft": "specdec.rpc.v1.DraftService", "target": "specdec.rpc.v1.TargetService",
                   "target_slow": "specdec.rpc.v1.TargetService"}

@@ -10,7 +10,7 @@
 --config FILE       TOML with any of these settings, keys with underscores (max_sessions = 256);
                     flags given on the command line override the file
 Also: --host, --port, --metrics-port (-1: off), --max-batch, --batch-window-ms, --max-k,
---max-message-bytes, --threads, --log-level.
+--max-message-bytes, --threads, --log-level, --artificial-delay-ms (benchmarks: sleep per Propose).
 Serves grpc.health.v1 ("" and specdec.rpc.v1.DraftService), reflection, and /metrics.
 """
 
@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--batch-window-ms", type=float, default=1.0)
     p.add_argument("--max-k", type=int, default=32)
+    p.add_argument("--artificial-delay-ms", type=float, default=0.0,
+                   help="benchmarks only: sleep this long per Propose (a stand-in for a slower draft)")
     return p
 
 
@@ -46,7 +48,8 @@ async def _serve(args: argparse.Namespace) -> None:
 
     draft = load_draft(args.draft)
     settings = DraftSettings(max_sessions=args.max_sessions, max_batch=args.max_batch,
-                             batch_window_ms=args.batch_window_ms, max_k=args.max_k)
+                             batch_window_ms=args.batch_window_ms, max_k=args.max_k,
+                             artificial_delay_ms=args.artificial_delay_ms)
     running = await start_draft_server(draft, server_settings(args), settings)
     logging.getLogger("draft_service").info("draft service (%s) listening on %s:%d, metrics on %s", draft.name,
                                             args.host, running.port, running.metrics_port)
