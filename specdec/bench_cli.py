@@ -94,6 +94,9 @@ def add_cost_curve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time CPU time of the calling thread instead of wall time (use with --threads 1 on a "
+                        "shared machine)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write {k: v(k)} here")
     p.set_defaults(func=_cmd_cost_curve)
 
@@ -116,13 +119,15 @@ def _cmd_cost_curve(args: argparse.Namespace) -> int:
         curve[k] = 1.0 if k == 1 else v
         print(f"k={k:<3d} v={curve[k]:.2f}", file=sys.stderr, flush=True)
 
-    times, t1 = measure_forward_times(lm, ks, context_len=args.context, repeats=args.repeats, progress=record)
+    times, t1 = measure_forward_times(lm, ks, context_len=args.context, repeats=args.repeats, progress=record,
+                                      cpu_time=args.cpu_time)
     print(f"# {lm.name}, backend {args.backend}, {torch.get_num_threads()} threads, context {args.context}, "
-          f"1-token forward {t1 * 1e3:.1f} ms")
+          f"1-token forward {t1 * 1e3:.1f} ms ({'CPU' if args.cpu_time else 'wall'} time)")
     print("k\tv(k)\tms")
     for k in ks:
         print(f"{k}\t{curve[k]:.2f}\t{times[k] * 1e3:.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"backend": args.backend, "context": args.context,
+                                               "clock": "cpu" if args.cpu_time else "wall",
                                                "one_token_ms": t1 * 1e3, "v": {str(k): curve[k] for k in ks}}))
     return 0

@@ -81,25 +81,28 @@ def best_k(alpha: float, c: float, v: VerifyCost, ks: Iterable[int] = range(1, 3
     return max(ks, key=lambda k: (predicted_speedup(alpha, k, c, v), -k))
 
 
-def _timed_forward(lm, cache, ids: torch.Tensor) -> float:
+def _timed_forward(lm, cache, ids: torch.Tensor, clock: Callable[[], float] = time.perf_counter) -> float:
     """Seconds for one forward over ids [1, k] on top of the cache; the new slots are dropped again."""
     q = ids.shape[1]
-    t0 = time.perf_counter()
+    t0 = clock()
     out = lm.forward(cache, ids)
     out.logits.sum().item()  # make sure the work is done (also on asynchronous devices)
     if cache.valid.device.type == "cuda":
         torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
+    dt = clock() - t0
     cache.keep_last(torch.zeros(1, q, dtype=torch.bool))
     return dt
 
 
 def measure_forward_times(lm, ks: Iterable[int] = range(1, 65), context_len: int = 256, repeats: int = 5,
-                          warmup: int = 2, seed: int = 0, progress: Optional[Callable[[int, float], None]] = None
-                          ) -> tuple[dict[int, float], float]:
+                          warmup: int = 2, seed: int = 0, progress: Optional[Callable[[int, float], None]] = None,
+                          cpu_time: bool = False) -> tuple[dict[int, float], float]:
     """Median seconds of a forward over k new tokens, for every k in ks, and of one over 1 token
     (timed interleaved with every k so drift hits both alike), each run through `lm.forward`
-    against a warm cache of `context_len` random tokens. Returns ({k: seconds}, seconds for 1)."""
+    against a warm cache of `context_len` random tokens. Returns ({k: seconds}, seconds for 1).
+    cpu_time: time the calling thread's CPU time instead of wall time (with 1 torch thread, a
+    measure that other processes on a shared machine disturb far less)."""
+    clock = time.thread_time if cpu_time else time.perf_counter
     ks = sorted(set(int(k) for k in ks))
     if not ks or ks[0] < 1:
         raise ValueError("ks must be positive integers")
@@ -113,16 +116,16 @@ def measure_forward_times(lm, ks: Iterable[int] = range(1, 65), context_len: int
     lm.prefill(cache, [prompt])
     one = torch.randint(0, lm.vocab_size, (1, 1), generator=gen)
     for _ in range(warmup):
-        _timed_forward(lm, cache, one)
-        _timed_forward(lm, cache, torch.randint(0, lm.vocab_size, (1, max(ks)), generator=gen))
+        _timed_forward(lm, cache, one, clock)
+        _timed_forward(lm, cache, torch.randint(0, lm.vocab_size, (1, max(ks)), generator=gen), clock)
     times: dict[int, float] = {}
     t1_all: list[float] = []
     for k in ks:
         ids = torch.randint(0, lm.vocab_size, (1, k), generator=gen)
         t1, tk = [], []
         for _ in range(repeats):
-            t1.append(_timed_forward(lm, cache, one))
-            tk.append(_timed_forward(lm, cache, ids))
+            t1.append(_timed_forward(lm, cache, one, clock))
+            tk.append(_timed_forward(lm, cache, ids, clock))
         t1_all += t1
         times[k] = statistics.median(t1) if k == 1 else statistics.median(tk)
         if progress is not None:
@@ -131,8 +134,8 @@ def measure_forward_times(lm, ks: Iterable[int] = range(1, 65), context_len: int
 
 
 def measure_verify_cost(lm, ks: Iterable[int] = range(1, 65), context_len: int = 256, repeats: int = 5,
-                        warmup: int = 2, seed: int = 0, progress: Optional[Callable[[int, float], None]] = None
-                        ) -> dict[int, float]:
+                        warmup: int = 2, seed: int = 0, progress: Optional[Callable[[int, float], None]] = None,
+                        cpu_time: bool = False) -> dict[int, float]:
     """v(k) = median time of a forward over k new tokens / median time of a forward over 1, each
     run through `lm.forward` against a warm cache of `context_len` tokens (random token ids).
 
@@ -146,7 +149,7 @@ def measure_verify_cost(lm, ks: Iterable[int] = range(1, 65), context_len: int =
         if progress is not None:
             progress(k, curve[k])
 
-    measure_forward_times(lm, ks, context_len, repeats, warmup, seed, progress=record)
+    measure_forward_times(lm, ks, context_len, repeats, warmup, seed, progress=record, cpu_time=cpu_time)
     return curve
 
 

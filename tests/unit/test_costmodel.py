@@ -84,3 +84,8 @@ def test_parse_ks_rejects_garbage_with_a_clear_error():
 
     with pytest.raises(SpecdecError, match="--ks"):
         parse_ks("1-x")
+
+
+def test_measure_verify_cost_in_cpu_time_gives_the_same_keys(tiny_target):
+    curve = measure_verify_cost(tiny_target, ks=[1, 4], context_len=8, repeats=2, warmup=1, cpu_time=True)
+    assert curve[1] == 1.0 and curve[4] > 0
