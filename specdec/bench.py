@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
