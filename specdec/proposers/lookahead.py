@@ -51,12 +51,19 @@ needs no quiet machine: `--tau-only`). What moves tau: N (an accepted guess is w
 N - 1 tokens; N - 1 must not exceed the loop's `k`, which caps the guess depth), then W (how
 many n-grams a step makes), then G (beyond 2 guesses hits barely grow). On a GPU v(q) is ~1
 into the hundreds, hence the published 15, 5, 15 with G = W. On this 2-core CPU v grows from
-the first extra input (SmolLM2-135M, 1 thread, CPU time, 200-token context: v(4) 1.4, v(8) 1.7,
-v(10) 1.9, v(16) 2.0, v(20) 2.3), while tau over W 2..5, N 3..4, G 1..4 only spans 1.15-1.45;
-tau / v stays at 0.7-0.85 for every setting tried, so lookahead is *slower* than plain decoding
-here, and the defaults W=4, N=3, G=2 (q ~ 10) are simply the measured best of that grid (0.81x
-plain on chat, 0.80x on code). It pays where v stays near 1 for q ~ 10-30 (a GPU, or a larger
-model whose step is bound by weight bandwidth rather than by this CPU's small-row matmuls).
+the first extra input (SmolLM2-135M, 1 thread, CPU time, 200-token context; transformers
+backend: v(4) 1.4, v(8) 1.7, v(10) 1.9, v(16) 2.0, v(20) 2.3; the leaner `fast` backend, whose
+1-token step is 1.7x cheaper: v(2) 1.1, v(4) 1.5, v(8) 2.4, v(12) 2.9, v(20) 4.0), while tau
+over W 2..5, N 3..4, G 1..4 only spans 1.15-1.45 on chat and code. No setting tried beats plain
+decoding here: tau / v is 0.7-0.85 on the transformers backend, where the defaults W=4, N=3,
+G=2 (q ~ 10) measured best (0.81x plain on chat, 0.80x on code, CPU time), and 0.5-0.7 on
+`fast`, where the smallest window measured best (W=2, N=3, G=1, q ~ 5: 0.68x chat, 0.71x
+code; pass --window 2 --guess 1). Why it cannot win on a CPU like this one: each extra input
+costs ~2 x params FLOPs (measured ~6 ms per input on one core, ~45 GFLOP/s), while a step can at
+best cost 4 x params bytes at ~28 GB/s; with both cores that is v(q) >= 1 + 0.15 (q - 1) in fp32
+for any model size (0.15 = bandwidth / (2 x FLOP/s)), so a window worth having (q >= 5) needs
+tau >= 1.6 just to break even and >= 2.1 for 1.3x. Lookahead pays where v stays
+near 1 for q ~ 10-30: a GPU, or a CPU with several times more FLOP/s per byte of bandwidth.
 
 Known limitations: under sampling, guesses are argmax n-grams, so acceptance drops as the
 temperature rises; the pool is per sequence (not shared across requests); lower window levels'
