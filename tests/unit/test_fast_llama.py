@@ -191,3 +191,14 @@ def test_fused_rms_norm_equals_transformers_rms_norm_bitwise():
         norm.weight.copy_(torch.randn(576, generator=torch.Generator().manual_seed(0)))
         x = torch.randn(64, 3, 576, generator=torch.Generator().manual_seed(1)) * 3
         assert torch.equal(_rms_norm(x, norm.weight, 1e-5), norm(x))
+
+
+def test_engine_and_load_model_select_the_backend(tiny_target, tmp_path):
+    from specdec.engine import Engine, EngineConfig
+    from specdec.models import load_model
+
+    copy.deepcopy(tiny_target.model).save_pretrained(tmp_path)
+    assert isinstance(Engine(EngineConfig(target=str(tmp_path), backend="fast")).target.lm, FastLlamaLM)
+    assert type(load_model(str(tmp_path)).lm) is CausalLM
+    with pytest.raises(ModelLoadError, match="backend"):
+        load_model(str(tmp_path), backend="turbo")
