@@ -54,7 +54,7 @@ class BenchConfig:
     k: int = 4  # tokens drafted per step (specdec draft / prompt-lookup; HF assisted's starting count)
     prompt_lookup_tokens: int = 10  # HF prompt lookup's prompt_lookup_num_tokens (its documented example)
     methods: tuple[str, ...] = ()  # () = every available method
-    backends: tuple[str, ...] = ("hf",)  # specdec backends to run its methods on (see models.BACKENDS)
+    backends: tuple[str, ...] = ("auto",)  # specdec backends to run its methods on (see models.BACKENDS)
     out: Path = Path("bench/results")
     seed: int = 0
     threads: Optional[int] = None  # torch intra-op threads (None: leave torch's default)
@@ -99,7 +99,7 @@ class BenchContext:
     target: LoadedModel  # transformers backend: its .lm.model is the transformers module
     draft: Optional[LoadedModel]  # transformers backend
     stop: StopConditions
-    engines: dict[str, Any] = field(default_factory=dict)  # backend -> specdec Engine
+    engines: dict[str, Any] = field(default_factory=dict)  # backend -> specdec Engine ("auto" resolved)
 
 
 # A runner decodes one prompt and returns its record (the harness fills in timing and names).
@@ -273,6 +273,7 @@ def build_context(config: BenchConfig, target: Optional[LoadedModel] = None,
                   draft: Optional[LoadedModel] = None) -> BenchContext:
     """Load (or adopt) the models and build one specdec Engine per backend over the same weights."""
     from specdec.engine import Engine, EngineConfig
+    from specdec.models import resolve_backend
 
     if target is None:
         target = load_model(config.target, device=config.device, backend="hf")
@@ -280,7 +281,7 @@ def build_context(config: BenchConfig, target: Optional[LoadedModel] = None,
         draft = load_draft_for_bench(config.draft, target, config.device)
     eos = target.lm.eos_token_ids
     ctx = BenchContext(config, target, draft, StopConditions(max_new_tokens=config.max_new_tokens, eos_token_ids=eos))
-    for backend in config.backends:
+    for backend in dict.fromkeys(resolve_backend(target.lm.model, b) for b in config.backends):
         ctx.engines[backend] = Engine.from_models(_on_backend(target, backend),
                                                   None if draft is None else _on_backend(draft, backend),
                                                   EngineConfig(target=config.target))
@@ -314,9 +315,10 @@ def available_methods(ctx: BenchContext) -> tuple[dict[str, Runner], dict[str, s
     candidates: list[tuple[str, Callable[[], Runner]]] = []
     for name, factory in PEER_FACTORIES.items():
         candidates.append((name, lambda f=factory: f(ctx)))
+    backends = list(ctx.engines)
     for method in METHODS:
-        for backend in cfg.backends:
-            candidates.append((method_label(method, backend, cfg.backends),
+        for backend in backends:
+            candidates.append((method_label(method, backend, backends),
                                lambda m=method, b=backend: _specdec_runner(ctx, m, b)))
     for name, factory in EXTRA_METHODS.items():
         candidates.append((name, lambda f=factory: f(ctx)))
@@ -341,11 +343,14 @@ def available_methods(ctx: BenchContext) -> tuple[dict[str, Runner], dict[str, s
 
 def run_interleaved(runners: dict[str, Runner], prompts: Sequence[BenchPrompt],
                     progress: Optional[Callable[[str], None]] = None,
-                    time_budget_s: Optional[float] = None) -> list[RunRecord]:
+                    time_budget_s: Optional[float] = None) -> tuple[list[RunRecord], dict[str, str]]:
     """Every method on every prompt, prompt by prompt; the method order rotates per prompt.
-    With a time budget, no new prompt starts once it is spent (every prompt run has all methods)."""
+    With a time budget, no new prompt starts once it is spent (every prompt run has all methods).
+    A method that raises is dropped from the whole run (its records too) and reported with its
+    error, so one broken method cannot sink the comparison. Returns (records, failures)."""
     names = list(runners)
-    records = []
+    records: list[RunRecord] = []
+    failed: dict[str, str] = {}
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
@@ -354,15 +359,26 @@ def run_interleaved(runners: dict[str, Runner], prompts: Sequence[BenchPrompt],
             break
         order = names[i % len(names):] + names[: i % len(names)]
         for name in order:
+            if name in failed:
+                continue
             c0, t0 = time.process_time(), time.perf_counter()
-            rec = runners[name](prompt)
+            try:
+                rec = runners[name](prompt)
+            except Exception as exc:  # noqa: BLE001 -- reported in the table, never silently
+                first_line = str(exc).splitlines()[0] if str(exc) else ""
+                failed[name] = f"failed on prompt {prompt.id}: {type(exc).__name__}: {first_line}"
+                if progress:
+                    progress(f"{name}: {failed[name]}")
+                continue
             dt, cpu = time.perf_counter() - t0, time.process_time() - c0
             rec = replace(rec, method=name, seconds=rec.seconds or dt, cpu_seconds=cpu)
             records.append(rec)
             if progress:
                 progress(f"[{i + 1}/{len(prompts)}] {prompt.category:13s} {name:20s} {len(rec.token_ids):4d} tok "
                          f"{rec.seconds:6.2f} s")
-    return records
+    if BASELINE in failed:
+        raise SpecdecError(f"the baseline {BASELINE} {failed[BASELINE]}")
+    return [r for r in records if r.method not in failed], failed
 
 
 @dataclass(frozen=True)
@@ -543,15 +559,18 @@ def run_bench(config: BenchConfig, command: str = "specdec bench", target: Optio
     if config.warmup_tokens and prompts:  # first calls pay one-off costs (allocations, lazy tables)
         saved = ctx.stop
         ctx.stop = replace(saved, max_new_tokens=config.warmup_tokens)
-        run_interleaved(runners, prompts[:1])
+        _, failed = run_interleaved(runners, prompts[:1], progress=progress)
         ctx.stop = saved
-    records = run_interleaved(runners, prompts, progress=progress, time_budget_s=config.time_budget_s)
-    rows = summarize(records, list(runners))
+        missing.update(failed)
+        runners = {k: v for k, v in runners.items() if k not in failed}
+    records, failed = run_interleaved(runners, prompts, progress=progress, time_budget_s=config.time_budget_s)
+    missing.update(failed)
+    rows = summarize(records, [m for m in runners if m not in failed])
     done = {r.prompt_id for r in records}
     meta = {
         "command": command, "when": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(config.device),
         "torch": torch.__version__, "threads": torch.get_num_threads(), "target": ctx.target.lm.name,
-        "draft": ctx.draft.path if ctx.draft is not None else "none", "backends": list(config.backends),
+        "draft": ctx.draft.path if ctx.draft is not None else "none", "backends": list(ctx.engines),
         "prompts": len(done), "per_category": config.per_category or "all",
         "max_new_tokens": config.max_new_tokens, "k": config.k, "load_before": load_before,
         "load_after": _loadavg(),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from specdec.errors import SpecdecError
 
-_BACKENDS = ("hf", "fast", "fast-bf16")
+_BACKENDS = ("auto", "hf", "fast", "fast-bf16")
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -47,8 +47,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", default="",
                    help="comma-separated methods (default: every available: hf-generate, hf-assisted, "
                         "hf-prompt-lookup and every specdec method)")
-    p.add_argument("--backend", default="hf",
-                   help=f"specdec backend(s) to run its methods on, comma-separated: {', '.join(_BACKENDS)}")
+    p.add_argument("--backend", default="auto",
+                   help=f"specdec backend(s) to run its methods on, comma-separated: {', '.join(_BACKENDS)} "
+                        "(default auto: the engine's default; several: each method once per backend, e.g. plain@hf)")
     p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default="early-exit:4",
                    help="draft for specdec draft and HF assisted: a model directory, or early-exit:N "
@@ -90,7 +91,7 @@ def add_cost_curve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ks", default="1-16,20,24,32,48,64", help="block sizes, e.g. 1-64 (default 1-16,20,24,32,48,64)")
     p.add_argument("--context", type=int, default=256, help="tokens already in the KV cache (default 256)")
     p.add_argument("--repeats", type=int, default=5, help="timed forwards per block size (median; default 5)")
-    p.add_argument("--backend", default="hf", choices=list(_BACKENDS))
+    p.add_argument("--backend", default="auto", choices=list(_BACKENDS))
     p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu")

@@ -27,9 +27,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default=None, help="draft model directory for --method draft")
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
-    p.add_argument("--backend", default="hf", choices=["hf", "fast", "fast-bf16"],
+    p.add_argument("--backend", default="auto", choices=["auto", "hf", "fast", "fast-bf16"],
                    help="how the target runs: hf (transformers, any model), fast (specdec's Llama forward, same "
-                        "outputs, faster on CPU), fast-bf16 (LOSSY: bfloat16 weights)")
+                        "outputs, faster on CPU), fast-bf16 (LOSSY: bfloat16 weights), auto (default: fast for "
+                        "Llama-family float32 models on CPU, else hf)")
     p.add_argument("--heads", default=None, metavar="DIR",
                    help="Medusa heads directory for --method medusa (default: the heads shipped for the target)")
     p.add_argument("--tree", default=None,

@@ -89,12 +89,26 @@ def ensure_default_target(cache_dir: Optional[Path] = None) -> Path:
 
 # How the engine runs a loaded model: "hf" through transformers (any causal LM), "fast" through
 # specdec's own Llama forward (same weights, same outputs up to float rounding; faster on CPU),
-# "fast-bf16" the same with bfloat16 matmul weights (LOSSY relative to the float32 model).
-BACKENDS = ("hf", "fast", "fast-bf16")
+# "fast-bf16" the same with bfloat16 matmul weights (LOSSY relative to the float32 model),
+# "auto": "fast" for a float32 Llama-family model on CPU, "hf" for anything else.
+BACKENDS = ("auto", "hf", "fast", "fast-bf16")
+
+
+def resolve_backend(model: torch.nn.Module, backend: str) -> str:
+    """The concrete backend ("auto" resolved) for this model."""
+    if backend != "auto":
+        return backend
+    from specdec.fast import supports_fast
+
+    param = next(model.parameters())
+    if param.device.type == "cpu" and param.dtype == torch.float32 and supports_fast(model.config) is None:
+        return "fast"
+    return "hf"
 
 
 def wrap_model(model: torch.nn.Module, name: str, backend: str = "hf") -> CausalLM:
     """The engine's adapter for a loaded transformers model, on the chosen backend."""
+    backend = resolve_backend(model, backend)
     if backend == "hf":
         return CausalLM(model, name=name)
     if backend in ("fast", "fast-bf16"):

@@ -91,3 +91,17 @@ def test_gpu_script_runs_its_cpu_subset_and_writes_table_and_plot(tmp_path):
     table = (tmp_path / "results.md").read_text()
     assert "| hf-generate |" in table and "| plain |" in table
     assert (tmp_path / "speedup.png").stat().st_size > 0
+
+
+def test_a_method_that_raises_is_dropped_and_reported_not_fatal():
+    from specdec.bench import run_interleaved
+
+    def ok(prompt):
+        return RunRecord("", prompt.id, prompt.category, (1,), 0.1, 1)
+
+    def broken(prompt):
+        raise RuntimeError("boom")
+
+    records, failed = run_interleaved({BASELINE: ok, "broken": broken}, PROMPTS)
+    assert {r.method for r in records} == {BASELINE} and len(records) == len(PROMPTS)
+    assert "boom" in failed["broken"]

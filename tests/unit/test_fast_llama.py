@@ -202,3 +202,13 @@ def test_engine_and_load_model_select_the_backend(tiny_target, tmp_path):
     assert type(load_model(str(tmp_path)).lm) is CausalLM
     with pytest.raises(ModelLoadError, match="backend"):
         load_model(str(tmp_path), backend="turbo")
+
+
+def test_auto_backend_picks_fast_for_a_float32_llama_on_cpu_and_hf_otherwise(tiny_target):
+    from specdec.models import resolve_backend
+
+    assert resolve_backend(tiny_target.model, "auto") == "fast"
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, attention_bias=True)
+    assert resolve_backend(LlamaForCausalLM(config), "auto") == "hf"
+    assert resolve_backend(tiny_target.model, "hf") == "hf"
