@@ -78,22 +78,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from specdec.bench_cli import add_bench
-
-    add_bench(sub)
-
-
-def _add_cost_curve(sub: argparse._SubParsersAction) -> None:
-    from specdec.bench_cli import add_cost_curve
-
-    add_cost_curve(sub)
-
-
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train proposers for a target")
     tsub = p.add_subparsers(dest="train_command", required=True)
     _add_train_medusa(tsub)
+    from specdec.training.commands import add_train_data, add_train_draft
+
+    add_train_draft(tsub)
+    add_train_data(tsub)
 
 
 def _add_train_medusa(tsub: argparse._SubParsersAction) -> None:
@@ -147,13 +139,28 @@ def _add_client(sub: argparse._SubParsersAction) -> None:
     add_client(sub)
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from specdec.bench_cli import add_bench
+
+    add_bench(sub)
+
+
+def _add_cost_curve(sub: argparse._SubParsersAction) -> None:
+    from specdec.bench_cli import add_cost_curve
+
+    add_cost_curve(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    _add_train(sub)
     _add_bench(sub)
     _add_cost_curve(sub)
+    _add_train(sub)
+    from specdec.training.commands import add_eval
+
+    add_eval(sub)
     _add_up(sub)
     _add_client(sub)
     return parser

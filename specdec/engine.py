@@ -23,11 +23,11 @@ class EngineConfig:
     target: Optional[str] = None  # None: the embedded default (SmolLM2-135M-Instruct)
     draft: Optional[str] = None  # a model directory sharing the target's vocabulary
     cache_dir: Optional[Path] = None  # where the embedded default is cached (None: ~/.cache/specdec)
-    medusa_heads: Optional[str] = None  # Medusa heads directory (None: the heads shipped for the target)
-    medusa_tree: Optional[str] = None  # Medusa tree: None/"auto", "chain", a node count, or JSON paths
     # How the target runs (models.BACKENDS): "auto" = specdec's fast Llama forward for float32 Llama-family
     # models on CPU (same outputs, ~1.5x faster there), transformers ("hf") for anything else.
     backend: str = "auto"
+    medusa_heads: Optional[str] = None  # Medusa heads directory (None: the heads shipped for the target)
+    medusa_tree: Optional[str] = None  # Medusa tree: None/"auto", "chain", a node count, or JSON paths
     lookahead: LookaheadConfig = LookaheadConfig()  # window W, n-gram size N, guesses G for "lookahead"
 
 
