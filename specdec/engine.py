@@ -49,14 +49,26 @@ class Completion:
     prompt_ids: tuple[int, ...]
 
 
+def _load_draft(spec: str, target: LoadedModel, config: EngineConfig) -> LoadedModel:
+    """A specdec draft directory (made by `specdec train draft`) loads onto the target's
+    embeddings; anything else is a plain model directory that must share the target's vocabulary."""
+    from specdec.drafts import is_draft_dir, load_draft
+
+    if is_draft_dir(Path(spec)):
+        lm = load_draft(Path(spec), target.lm)
+        return LoadedModel(lm=lm, tokenizer=target.tokenizer, path=spec)
+    draft = load_model(spec, cache_dir=config.cache_dir)
+    check_compatible(target, draft)
+    return draft
+
+
 class Engine:
     def __init__(self, config: EngineConfig = EngineConfig()):
         self.config = config
         self.target: LoadedModel = load_model(config.target, cache_dir=config.cache_dir, backend=config.backend)
         self.draft: Optional[LoadedModel] = None
         if config.draft is not None:
-            self.draft = load_model(config.draft, cache_dir=config.cache_dir)
-            check_compatible(self.target, self.draft)
+            self.draft = _load_draft(config.draft, self.target, config)
 
     @classmethod
     def from_models(cls, target: LoadedModel, draft: Optional[LoadedModel] = None,
