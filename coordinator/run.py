@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from specdec.errors import InvalidRequest, SpecdecError
+from specdec.types import GenerationStats
 from specdec.proposers.draft_model import common_prefix_len
 from specdec.rpc.clients import DraftBlock, DraftClient, RemoteError, TargetClient
 from specdec.rpc.serving import FailedPrecondition, NotFound, Overloaded, Unavailable
@@ -45,27 +46,12 @@ class DraftOut(Exception):
 
 
 @dataclass
-class RunStats:
-    target_forwards: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    emitted: int = 0
+class RunStats(GenerationStats):
+    """The core's per-sequence counters (tau, alpha, tokens/s derived there) plus the service's own."""
+
     fallback_steps: int = 0
     pipeline_hits: int = 0
     pipeline_misses: int = 0
-    elapsed_s: float = 0.0
-
-    @property
-    def tau(self) -> float:
-        return self.emitted / self.target_forwards if self.target_forwards else 0.0
-
-    @property
-    def alpha(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.emitted / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
