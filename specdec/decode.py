@@ -114,7 +114,7 @@ def plain_generate(
         logits = target.forward(cache, torch.tensor(toks)[:, None]).logits[:, -1]
 
 
-def _verify_block(proposal: Proposal, root: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+def verify_block(proposal: Proposal, root: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """Block inputs for one row: [root] + drafted nodes (+ aux inputs), its [q, q] mask and [q] depths."""
     parents = proposal.parents if proposal.parents is not None else chain_parents(len(proposal.token_ids))
     ids, mask, depth = [root, *proposal.token_ids], block_mask(parents), depths(parents)
@@ -128,7 +128,7 @@ def _verify_block(proposal: Proposal, root: int) -> tuple[list[int], torch.Tenso
     return ids + list(aux.token_ids), full, torch.cat([depth, torch.tensor(aux.depth, dtype=torch.long)])
 
 
-def _accept(proposal: Proposal, logits: torch.Tensor, sampling: SamplingParams,
+def accept_block(proposal: Proposal, logits: torch.Tensor, sampling: SamplingParams,
             gen: torch.Generator) -> tuple[list[int], int]:
     """logits [n + 1, vocab] for one row's block -> (accepted node indices, next token)."""
     n = len(proposal.token_ids)
@@ -188,7 +188,7 @@ def speculative_generate(
                              target_hidden=tuple(hidden[b] for b in active) if needs_hidden else None)
         proposals = proposer.propose(ctx) if any(ks) else [Proposal() for _ in active]
         # 2. score: one target forward over every row's [last committed token] + drafted nodes.
-        blocks = [_verify_block(p, committed[b][-1]) for p, b in zip(proposals, active)]
+        blocks = [verify_block(p, committed[b][-1]) for p, b in zip(proposals, active)]
         q = max(len(ids) for ids, _, _ in blocks)
         ids = torch.zeros(len(active), q, dtype=torch.long)
         mask = torch.zeros(len(active), q, q, dtype=torch.bool)
@@ -207,7 +207,7 @@ def speculative_generate(
         verdicts = []
         for i, (b, prop) in enumerate(zip(active, proposals)):
             n = len(prop.token_ids)
-            path, nxt = _accept(prop, logits[i, : n + 1], sampling, gens[b])
+            path, nxt = accept_block(prop, logits[i, : n + 1], sampling, gens[b])
             keep[i, 0] = True
             keep[i, [p + 1 for p in path]] = True
             if needs_hidden:

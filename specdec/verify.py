@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from specdec.decode import _accept, _verify_block
+from specdec.decode import accept_block, verify_block
 from specdec.kv_cache import KVCache
 from specdec.kv_stack import split_cache, stack_caches
 from specdec.lm import CausalLM
@@ -78,7 +78,7 @@ def verify_step(target: CausalLM, jobs: Sequence[VerifyJob]) -> list[StepOutcome
     single = len(jobs) == 1
     cache = jobs[0].cache if single else stack_caches([j.cache for j in jobs], target.new_cache)
     want_hidden = any(j.want_hidden for j in jobs)
-    blocks = [_verify_block(j.proposal, j.root) for j in jobs]
+    blocks = [verify_block(j.proposal, j.root) for j in jobs]
     ids, mask, depth, valid = _pack(blocks)
     out = target.forward(cache, ids, mask, depth, valid, want_hidden=want_hidden)
     logits = out.logits  # [rows, q, vocab]
@@ -87,7 +87,7 @@ def verify_step(target: CausalLM, jobs: Sequence[VerifyJob]) -> list[StepOutcome
     for i, job in enumerate(jobs):
         prop = job.proposal
         n = len(prop.token_ids)
-        path, nxt = _accept(prop, logits[i, : n + 1], job.sampling, job.generator)
+        path, nxt = accept_block(prop, logits[i, : n + 1], job.sampling, job.generator)
         keep[i, 0] = True
         keep[i, [p + 1 for p in path]] = True
         m = len(prop.aux.token_ids) if prop.aux is not None else 0
