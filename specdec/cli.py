@@ -25,7 +25,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default=None, help="draft model directory for --method draft")
+    p.add_argument("--draft", default=None, help="draft for --method draft: a model directory sharing the target's vocabulary, or a "
+                   "draft made by `specdec train draft` (default: the draft shipped for the target)")
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
     p.add_argument("--backend", default="auto", choices=["auto", "hf", "fast", "fast-bf16"],
                    help="how the target runs: hf (transformers, any model), fast (specdec's Llama forward, same "
@@ -62,8 +63,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     k = KSchedule(k=args.k, adaptive=args.adaptive_k, k_max=max(args.k_max, args.k))
     if not args.prompt.strip():
         raise SpecdecError("the prompt is empty")
-    if args.method == "draft" and args.draft is None:
-        raise SpecdecError("--method draft needs --draft DIR (a model sharing the target's vocabulary)")
     lookahead = _lookahead_config(args)
     engine = Engine(EngineConfig(target=args.target, draft=args.draft if args.method == "draft" else None,
                                  lookahead=lookahead,

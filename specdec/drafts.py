@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from specdec.errors import IncompatibleModels, ModelLoadError
 from specdec.kv_cache import KVCache
-from specdec.lm import CausalLM, ForwardOutput
+from specdec.lm import CausalLM, ForwardOutput, scatter_subset_logits
 
 SHIPPED_DRAFTS = Path(__file__).parent / "assets" / "drafts"
 
@@ -49,9 +49,7 @@ class SubsetHeadLM(CausalLM):
         cache.appended(input_valid if input_valid is not None else torch.ones_like(input_ids, dtype=torch.bool))
         hidden = out.last_hidden_state  # [batch, q, hidden]
         h = hidden if logits_at is None else hidden[:, logits_at.to(hidden.device)]
-        sub = h @ self._head.T  # [batch, q', subset]
-        logits = torch.full((*sub.shape[:2], self.vocab_size), float("-inf"), dtype=sub.dtype, device=sub.device)
-        logits[..., self.token_ids] = sub
+        logits = scatter_subset_logits(h @ self._head.T, self.token_ids, self.vocab_size)  # [batch, q', vocab]
         return ForwardOutput(logits=logits, hidden=hidden if want_hidden else None)
 
 
@@ -107,8 +105,10 @@ def is_draft_dir(path: Path) -> bool:
     return (Path(path) / "draft_vocab.json").is_file() and (Path(path) / "draft.safetensors").is_file()
 
 
-def load_draft(path: Path, target: CausalLM, target_name: Optional[str] = None) -> SubsetHeadLM:
-    """Load a specdec draft directory onto `target`'s embeddings."""
+def load_draft(path: Path, target: CausalLM, target_name: Optional[str] = None, backend: str = "auto") -> CausalLM:
+    """Load a specdec draft directory onto `target`'s embeddings. backend (specdec.models.BACKENDS):
+    "auto" runs it on specdec's fast Llama forward where that applies (float32 on CPU), else through
+    transformers (SubsetHeadLM); both score only the draft's token subset."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
@@ -127,7 +127,16 @@ def load_draft(path: Path, target: CausalLM, target_name: Optional[str] = None) 
     if unexpected or any("embed_tokens" not in k and not k.startswith("lm_head") for k in missing):
         raise ModelLoadError(f"draft {path}: weights do not match its config (missing {missing}, unexpected {unexpected})")
     attach_target_embeddings(model, target)
-    return SubsetHeadLM(model.eval(), torch.tensor(info["token_ids"]), name=path.name)
+    token_ids = torch.tensor(info["token_ids"])
+    from specdec.models import resolve_backend
+
+    chosen = resolve_backend(model, backend)
+    if chosen == "hf":
+        return SubsetHeadLM(model.eval(), token_ids, name=path.name)
+    from specdec.fast import FastLlamaLM
+
+    return FastLlamaLM(model.eval(), name=path.name, head_rows=token_ids,
+                       weight_dtype=torch.bfloat16 if chosen == "fast-bf16" else None)
 
 
 def shipped_draft_path(target_name: str) -> Optional[Path]:

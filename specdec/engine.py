@@ -21,7 +21,7 @@ from specdec.types import GenerationResult, SamplingParams, StopConditions
 @dataclass(frozen=True)
 class EngineConfig:
     target: Optional[str] = None  # None: the embedded default (SmolLM2-135M-Instruct)
-    draft: Optional[str] = None  # a model directory sharing the target's vocabulary
+    draft: Optional[str] = None  # draft directory (None: the draft shipped for the target, loaded on first use)
     cache_dir: Optional[Path] = None  # where the embedded default is cached (None: ~/.cache/specdec)
     # How the target runs (models.BACKENDS): "auto" = specdec's fast Llama forward for float32 Llama-family
     # models on CPU (same outputs, ~1.5x faster there), transformers ("hf") for anything else.
@@ -49,15 +49,24 @@ class Completion:
     prompt_ids: tuple[int, ...]
 
 
-def _load_draft(spec: str, target: LoadedModel, config: EngineConfig) -> LoadedModel:
-    """A specdec draft directory (made by `specdec train draft`) loads onto the target's
-    embeddings; anything else is a plain model directory that must share the target's vocabulary."""
-    from specdec.drafts import is_draft_dir, load_draft
+def _load_draft(spec: Optional[str], target: LoadedModel, config: EngineConfig) -> LoadedModel:
+    """spec None: the draft shipped for the target (made by `specdec train draft`). A specdec draft
+    directory loads onto the target's embeddings; anything else is a plain model directory that
+    must share the target's vocabulary."""
+    from specdec.drafts import is_draft_dir, load_draft, shipped_draft_path
 
+    name = target.lm.name
+    if spec is None:
+        path = shipped_draft_path(name)
+        if path is None:
+            raise InvalidRequest(f"no draft is shipped for the target {name!r}: pass --draft DIR (a model sharing "
+                                 "its vocabulary, or a draft made by `specdec train draft`)")
+        return LoadedModel(lm=load_draft(path, target.lm, target_name=name, backend=config.backend),
+                           tokenizer=target.tokenizer, path=str(path))
     if is_draft_dir(Path(spec)):
-        lm = load_draft(Path(spec), target.lm)
+        lm = load_draft(Path(spec), target.lm, backend=config.backend)
         return LoadedModel(lm=lm, tokenizer=target.tokenizer, path=spec)
-    draft = load_model(spec, cache_dir=config.cache_dir)
+    draft = load_model(spec, cache_dir=config.cache_dir, backend=config.backend)
     check_compatible(target, draft)
     return draft
 
@@ -83,8 +92,9 @@ class Engine:
         return engine
 
     def require_draft(self) -> LoadedModel:
+        """The configured draft, else (loaded once) the draft shipped for the target."""
         if self.draft is None:
-            raise InvalidRequest("method 'draft' needs a draft model: pass --draft DIR")
+            self.draft = _load_draft(None, self.target, self.config)
         return self.draft
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:

@@ -22,6 +22,14 @@ class ForwardOutput:
     hidden: Optional[torch.Tensor] = None  # [batch, q, hidden] last layer, after the final norm
 
 
+def scatter_subset_logits(sub: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over a vocabulary subset [..., subset] -> full-vocabulary logits [..., vocab] with -inf
+    (probability 0) for every token outside the subset."""
+    full = torch.full((*sub.shape[:-1], vocab_size), float("-inf"), dtype=sub.dtype, device=sub.device)
+    full[..., token_ids] = sub
+    return full
+
+
 class CausalLM:
     """A transformers causal LM in eval mode, plus what the engine needs to know about it."""
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from specdec.errors import ModelLoadError
 from specdec.kv_cache import KVCache
-from specdec.lm import CausalLM, ForwardOutput
+from specdec.lm import CausalLM, ForwardOutput, scatter_subset_logits
 
 
 def supports_fast(config) -> Optional[str]:
@@ -192,10 +192,12 @@ class FastLlamaLM(CausalLM):
 
     `model` stays the transformers module (drafts built from the target, e.g. early_exit_copy,
     read its config and state dict); only `forward` and `new_cache` differ.
+    `head_rows`: score only these rows of the output layer (a draft's frequent-token subset, see
+    specdec.drafts); every other token gets logit -inf.
     """
 
     def __init__(self, model: torch.nn.Module, name: str = "model", weight_dtype: Optional[torch.dtype] = None,
-                 kernel: str = "auto"):
+                 kernel: str = "auto", head_rows: Optional[torch.Tensor] = None):
         why = supports_fast(model.config)
         if why is not None:
             raise ModelLoadError(f"the fast backend cannot run {name}: {why}; use backend='hf'")
@@ -225,6 +227,9 @@ class FastLlamaLM(CausalLM):
                 ))
             self.norm = decoder.norm.weight.detach()
             self.lm_head = model.get_output_embeddings().weight.detach()  # [vocab, hidden]
+            self.head_rows = None if head_rows is None else head_rows.long().to(self.lm_head.device)
+            if self.head_rows is not None:
+                self.lm_head = self.lm_head[self.head_rows].clone()  # [subset, hidden]
         self.weight_dtype = weight_dtype or self.dtype
         if self.weight_dtype != self.dtype:
             # LOSSY relative to the loaded model: matmul weights (and inputs) rounded to
@@ -305,6 +310,8 @@ class FastLlamaLM(CausalLM):
         store.length = end
         hidden = _rms_norm(x, self.norm, self.eps)  # [batch, q, hidden]
         sel = hidden if logits_at is None else hidden[:, logits_at.to(dev)]
-        logits = _linear(sel, self.lm_head, self.kernel)  # [batch, q', vocab]
+        logits = _linear(sel, self.lm_head, self.kernel)  # [batch, q', vocab or subset]
+        if self.head_rows is not None:
+            logits = scatter_subset_logits(logits, self.head_rows, self.vocab_size)
         cache.appended(input_valid)
         return ForwardOutput(logits=logits, hidden=hidden if want_hidden else None)

@@ -19,7 +19,6 @@ from specdec.types import StopConditions
     (["hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["hi", "--k", "0"], "k must be >= 1"),
     (["hi", "--target", "/no/such/model"], "model path not found: /no/such/model"),
-    (["hi", "--method", "draft"], "--method draft needs --draft"),
 ])
 def test_cli_reports_bad_input_in_one_line(capsys, args, message):
     assert main(["generate", *args]) == 2

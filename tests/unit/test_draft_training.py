@@ -55,3 +55,26 @@ def test_trained_draft_is_lossless_and_refuses_other_targets(tiny_target, data_d
         load_draft(out, tiny_target, target_name="another")
     with pytest.raises(IncompatibleModels, match="vocabulary"):
         load_draft(out, tiny_llama(seed=0, vocab_size=50))
+
+
+def test_draft_runs_alike_on_both_backends(tiny_target, tmp_path):
+    """The fast forward of a subset-head draft scores the same tokens as the transformers one."""
+    import torch
+
+    from specdec.drafts import SubsetHeadLM, build_from_target, save_draft
+    from specdec.fast import FastLlamaLM
+
+    subset = torch.arange(0, 96, 3)
+    save_draft(tmp_path / "d", build_from_target(tiny_target, [1, 0]), subset, {"target": "tiny"},
+               dtype=torch.float32)
+    hf, fast = (load_draft(tmp_path / "d", tiny_target, backend=b) for b in ("hf", "fast"))
+    assert isinstance(hf, SubsetHeadLM) and isinstance(fast, FastLlamaLM)
+    ids = torch.tensor([[5, 17, 33, 2, 8, 11]])
+    outs = []
+    for lm in (hf, fast):
+        cache = lm.new_cache(1)
+        outs.append(torch.cat([lm.forward(cache, ids[:, :4]).logits, lm.forward(cache, ids[:, 4:]).logits], dim=1))
+    finite = torch.isfinite(outs[0])
+    assert torch.equal(finite, torch.isfinite(outs[1]))
+    assert finite[0, 0].nonzero().flatten().tolist() == subset.tolist()  # only the subset is ever drafted
+    torch.testing.assert_close(outs[0][finite], outs[1][finite], rtol=1e-4, atol=1e-4)

@@ -20,3 +20,13 @@ def test_engine_loads_a_specdec_draft_directory_losslessly(tiny_target, tmp_path
     plain = engine.generate_ids(prompt, method="plain", stop=stop)[0]
     assert spec.token_ids == plain.token_ids
     assert spec.stats.drafted > 0
+
+
+def test_method_draft_without_draft_uses_the_shipped_one_or_asks_for_one(tiny_target):
+    import pytest
+
+    from specdec.errors import InvalidRequest
+
+    engine = Engine.from_models(LoadedModel(tiny_target, None, "tiny"))
+    with pytest.raises(InvalidRequest, match=f"no draft is shipped for the target '{tiny_target.name}': pass --draft"):
+        engine.generate_ids([[5, 17, 33, 2]], method="draft", stop=StopConditions(max_new_tokens=4))
