@@ -10,8 +10,8 @@
 #   TORCH_VARIANT=cuda  PyPI's torch, which bundles the CUDA runtime: the node needs only the
 #                       NVIDIA driver (the device plugin mounts it)
 #   BAKE_DEFAULT_MODEL=1  dequantize the embedded default target (SmolLM2-135M-Instruct) at build
-#                       time into the image's cache, so no container does it at its first start
-#                       (~30 s). Without it the first start caches it under $XDG_CACHE_HOME.
+#                       time into /opt/venv/share/specdec/models, so no container does it at its
+#                       first start (~30 s). Without it the first start caches it under $XDG_CACHE_HOME.
 # Other models come from a mounted volume: --target DIR / --draft DIR.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
@@ -45,10 +45,12 @@ RUN groupadd --system --gid 10001 specdec \
     && useradd --system --uid 10001 --gid 10001 --home-dir /home/specdec --create-home specdec \
     && install -d -o 10001 -g 10001 /var/cache/specdec
 COPY --from=build /opt/venv /opt/venv
+# Baked into the installation (read-only for the service user, and not under the cache directory,
+# so the pods' writable cache volume does not hide it).
+RUN if [ "$BAKE_DEFAULT_MODEL" = "1" ]; then \
+      python -c "from specdec.models import bake_default_target; bake_default_target()"; fi
 USER 10001:10001
 WORKDIR /home/specdec
-RUN if [ "$BAKE_DEFAULT_MODEL" = "1" ]; then \
-      python -c "from specdec.models import ensure_default_target; ensure_default_target()"; fi
 # gRPC and /metrics ports: coordinator 50051/9451, draft 50061/9461, target 50062/9462.
 EXPOSE 50051 9451 50061 9461 50062 9462
 ENTRYPOINT ["python", "-m"]

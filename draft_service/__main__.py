@@ -9,6 +9,8 @@
 --grace-period S    after SIGTERM: health NOT_SERVING, in-flight calls get S seconds (default 5)
 --config FILE       TOML with any of these settings, keys with underscores (max_sessions = 256);
                     flags given on the command line override the file
+--device D / --dtype T  where the model runs: auto (default: a CUDA GPU if visible, else cpu) /
+                      auto (float32 on cpu, bfloat16 on a GPU)
 Also: --host, --port, --metrics-port (-1: off), --max-batch, --batch-window-ms, --max-k,
 --max-message-bytes, --threads, --log-level, --artificial-delay-ms (benchmarks: sleep per Propose).
 Serves grpc.health.v1 ("" and specdec.rpc.v1.DraftService), reflection, and /metrics.
@@ -22,13 +24,14 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from specdec.rpc.serving import (add_common_flags, apply_threads, parse_settings, serve_until_signal,
-                                 server_settings)
+from specdec.rpc.serving import (add_common_flags, add_model_flags, apply_threads, model_placement,
+                                 parse_settings, serve_until_signal, server_settings)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m draft_service", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_flags(p)
     add_common_flags(p, port=50061, metrics_port=9461)
     p.add_argument("--draft", default=None, help="draft model directory (default: interim early-exit draft)")
     p.add_argument("--max-sessions", type=int, default=256)
@@ -46,7 +49,8 @@ async def _serve(args: argparse.Namespace) -> None:
     from draft_service.models import load_draft
     from draft_service.servicer import start_draft_server
 
-    draft = load_draft(args.draft)
+    device, dtype = model_placement(args)
+    draft = load_draft(args.draft, device=device, dtype=dtype)
     settings = DraftSettings(max_sessions=args.max_sessions, max_batch=args.max_batch,
                              batch_window_ms=args.batch_window_ms, max_k=args.max_k,
                              artificial_delay_ms=args.artificial_delay_ms)

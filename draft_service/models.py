@@ -17,18 +17,20 @@ import logging
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from specdec.lm import CausalLM
 
 log = logging.getLogger("draft_service")
 INTERIM_EARLY_EXIT_LAYERS = 4
 
 
-def default_draft() -> CausalLM:
+def default_draft(device: str = "cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
     from specdec.drafts import load_draft as load_specdec_draft
     from specdec.drafts import shipped_draft_path
     from specdec.models import early_exit_copy, load_model
 
-    target = load_model()
+    target = load_model(device=device, dtype=dtype)
     shipped = shipped_draft_path(target.lm.name)
     if shipped is not None:
         log.info("no --draft given: using the draft shipped for %s (%s)", target.lm.name, shipped)
@@ -38,14 +40,16 @@ def default_draft() -> CausalLM:
     return early_exit_copy(target.lm, INTERIM_EARLY_EXIT_LAYERS)
 
 
-def load_draft(path: Optional[str]) -> CausalLM:
+def load_draft(path: Optional[str], device: str = "cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
+    """The draft on `device` at `dtype` (a specdec draft directory borrows the embedded target's
+    embeddings, loaded there too). The fast CPU forward is used where it applies."""
     if path is None:
-        return default_draft()
+        return default_draft(device, dtype)
     from specdec.drafts import is_draft_dir
     from specdec.drafts import load_draft as load_specdec_draft
     from specdec.models import load_model
 
     if is_draft_dir(Path(path)):
-        target = load_model()
+        target = load_model(device=device, dtype=dtype)
         return load_specdec_draft(Path(path), target.lm, target.lm.name)
-    return load_model(path).lm
+    return load_model(path, device=device, dtype=dtype, backend="auto").lm

@@ -121,7 +121,7 @@ def load_draft(path: Path, target: CausalLM, target_name: Optional[str] = None, 
     if target_name and info.get("target") and info["target"] != target_name:
         raise IncompatibleModels(f"draft {path} was trained for target {info['target']!r}, not {target_name!r}")
     config = AutoConfig.from_pretrained(path)
-    model = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=target.dtype).to(target.device)
     state = {k: v.to(target.dtype) for k, v in load_file(str(path / "draft.safetensors")).items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or any("embed_tokens" not in k and not k.startswith("lm_head") for k in missing):

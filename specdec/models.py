@@ -52,10 +52,25 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def ensure_default_target(cache_dir: Optional[Path] = None) -> Path:
-    """Return the cached safetensors directory of the default target, building it once."""
+def baked_models_dir() -> Path:
+    """A read-only place beside the installation (`<prefix>/share/specdec/models`) where an image
+    build puts the dequantized default target (`bake_default_target`); looked at before the
+    cache, so a writable cache volume mounted over the cache directory cannot hide it."""
+    return Path(sys.prefix) / "share" / "specdec" / "models"
+
+
+def _is_model_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+def ensure_default_target(cache_dir: Optional[Path] = None, baked_dir: Optional[Path] = None) -> Path:
+    """Return the safetensors directory of the default target: the baked copy when there is one
+    (baked_dir, default baked_models_dir()), else the cached one, building it once."""
+    baked = (baked_dir or baked_models_dir()) / DEFAULT_TARGET
+    if cache_dir is None and _is_model_dir(baked):
+        return baked
     out = (cache_dir or default_cache_dir()) / DEFAULT_TARGET
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+    if _is_model_dir(out):
         return out
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -87,11 +102,50 @@ def ensure_default_target(cache_dir: Optional[Path] = None) -> Path:
     return out
 
 
+def bake_default_target() -> Path:
+    """Image builds: dequantize the default target into baked_models_dir() (run as the owner of
+    the installation, before switching to the unprivileged user)."""
+    return ensure_default_target(cache_dir=baked_models_dir())
+
+
 # How the engine runs a loaded model: "hf" through transformers (any causal LM), "fast" through
 # specdec's own Llama forward (same weights, same outputs up to float rounding; faster on CPU),
 # "fast-bf16" the same with bfloat16 matmul weights (LOSSY relative to the float32 model),
 # "auto": "fast" for a float32 Llama-family model on CPU, "hf" for anything else.
 BACKENDS = ("auto", "hf", "fast", "fast-bf16")
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> str:
+    """"auto": the first CUDA GPU when one is visible, else the CPU; otherwise a torch device
+    string (cpu, cuda, cuda:1), refused with a clear message when it names no usable device."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ModelLoadError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r} asked for, but no CUDA GPU is visible to this process")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ModelLoadError(f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA GPU(s) "
+                                 "are visible")
+    elif parsed.type != "cpu":
+        raise ModelLoadError(f"unsupported device {device!r}; use auto, cpu, cuda or cuda:N")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """"auto": float32 on the CPU, bfloat16 on a GPU. The target's dtype defines the output that
+    speculative decoding reproduces exactly (greedy equality is with the target at this dtype)."""
+    if dtype == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
 
 
 def resolve_backend(model: torch.nn.Module, backend: str) -> str:
@@ -209,7 +263,7 @@ def early_exit_copy(lm: CausalLM, num_layers: int) -> CausalLM:
     config.num_hidden_layers = num_layers
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:num_layers]
-    model = AutoModelForCausalLM.from_config(config, dtype=lm.dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=lm.dtype).to(lm.device)
     state = {k: v for k, v in lm.model.state_dict().items()
              if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
     model.load_state_dict(state, strict=False)

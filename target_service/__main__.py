@@ -10,6 +10,8 @@
 --grace-period S      after SIGTERM: health NOT_SERVING, in-flight calls get S seconds (default 5)
 --config FILE         TOML with any of these settings, keys with underscores (max_batch = 8);
                       flags given on the command line override the file
+--device D / --dtype T  where the model runs: auto (default: a CUDA GPU if visible, else cpu) /
+                      auto (float32 on cpu, bfloat16 on a GPU)
 Also: --host, --port, --metrics-port (-1: off), --max-k, --max-message-bytes, --threads, --log-level,
 --artificial-delay-ms (benchmarks: sleep per verification step, standing in for a busy GPU).
 Serves grpc.health.v1 ("" and specdec.rpc.v1.TargetService), reflection, and /metrics.
@@ -23,13 +25,14 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from specdec.rpc.serving import (add_common_flags, apply_threads, parse_settings, serve_until_signal,
-                                 server_settings)
+from specdec.rpc.serving import (add_common_flags, add_model_flags, apply_threads, model_placement,
+                                 parse_settings, serve_until_signal, server_settings)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m target_service", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_flags(p)
     add_common_flags(p, port=50062, metrics_port=9462)
     p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--max-sessions", type=int, default=64)
@@ -47,7 +50,8 @@ async def _serve(args: argparse.Namespace) -> None:
     from target_service.core import TargetSettings
     from target_service.servicer import start_target_server
 
-    loaded = load_model(args.target)
+    device, dtype = model_placement(args)
+    loaded = load_model(args.target, device=device, dtype=dtype)
     settings = TargetSettings(max_sessions=args.max_sessions, max_batch=args.max_batch,
                               batch_window_ms=args.batch_window_ms, max_k=args.max_k,
                               artificial_delay_ms=args.artificial_delay_ms)

@@ -281,6 +281,22 @@ def add_common_flags(parser: argparse.ArgumentParser, port: int, metrics_port: i
                         help="torch intra-op threads for this process (default 0: torch's default, one per core)")
 
 
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """Where and how the draft and target services hold their model."""
+    parser.add_argument("--device", default="auto",
+                        help="auto (default: the first CUDA GPU if one is visible, else cpu), cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto (default: float32 on cpu, bfloat16 on a GPU), "
+                        "float32, bfloat16, float16")
+
+
+def model_placement(args: argparse.Namespace) -> tuple[str, "torch.dtype"]:  # noqa: F821
+    """(device, dtype) from --device / --dtype, checked (ModelLoadError names what is wrong)."""
+    from specdec.models import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    return device, resolve_dtype(args.dtype, device)
+
+
 def apply_threads(args: argparse.Namespace) -> None:
     """Several model processes on one machine each default to a thread per core and then fight
     over the cores; --threads caps this process."""

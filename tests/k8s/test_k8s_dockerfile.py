@@ -201,8 +201,8 @@ def test_bake_step_calls_a_real_function_that_needs_no_arguments():
             for alias in node.names:
                 imported[alias.asname or alias.name] = getattr(module, alias.name)
     calls = [n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
-    assert calls == ["ensure_default_target"]
-    fn = imported["ensure_default_target"]
+    assert calls == ["bake_default_target"]
+    fn = imported["bake_default_target"]
     required = [p for p in inspect.signature(fn).parameters.values() if p.default is p.empty]
     assert required == []
 
@@ -219,3 +219,25 @@ def test_image_cache_dir_is_a_writable_volume_in_pods_using_the_embedded_default
         assert not mount.get("readOnly")
         [volume] = [v for v in spec["volumes"] if v["name"] == mount["name"]]
         assert "emptyDir" in volume
+
+
+def test_a_baked_model_is_not_hidden_by_any_volume_the_pods_mount(rendered, tmp_path):
+    """The bake step writes beside the installation (baked_models_dir of the image's venv), which
+    the default-target lookup reads before the cache; no pod mounts a volume over it."""
+    from specdec.models import DEFAULT_TARGET, baked_models_dir, ensure_default_target
+
+    env = dict(kv.split("=", 1) for k, a in final_stage() if k == "ENV" for kv in shlex.split(a))
+    venv = next(p for p in env["PATH"].split(":") if p.endswith("/bin"))[: -len("/bin")]
+    image_baked = baked_models_dir().as_posix().replace(Path(sys.prefix).as_posix(), venv, 1)
+    assert not image_baked.startswith(env["XDG_CACHE_HOME"] + "/")
+    for overlay in ("cpu", "gpu"):
+        for d in kind(rendered[overlay], "Deployment"):
+            for m in pod_spec(d)["containers"][0].get("volumeMounts", []):
+                assert not (image_baked + "/").startswith(m["mountPath"].rstrip("/") + "/"), (overlay, name(d))
+    # and the lookup prefers the baked copy to the cache
+    for root in ("baked", "cache"):
+        (tmp_path / root / DEFAULT_TARGET).mkdir(parents=True)
+        for f in ("config.json", "model.safetensors"):
+            (tmp_path / root / DEFAULT_TARGET / f).write_text("{}")
+    assert ensure_default_target(baked_dir=tmp_path / "baked") == tmp_path / "baked" / DEFAULT_TARGET
+    assert ensure_default_target(tmp_path / "cache", baked_dir=tmp_path / "baked") == tmp_path / "cache" / DEFAULT_TARGET

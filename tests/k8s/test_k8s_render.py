@@ -99,6 +99,8 @@ def test_gpu_overlay_puts_draft_and_target_on_gpus_with_a_model_volume(rendered)
         volume = next(v for v in spec["volumes"] if v["name"] == mounts[mount])
         claim = volume["persistentVolumeClaim"]["claimName"]
         assert claim in {name(p) for p in kind(objs, "PersistentVolumeClaim")}
+        # a GPU requested and then not used would be the worst of both: the model must be put on it
+        assert c["args"][c["args"].index("--device") + 1] == "cuda"
     coordinator = pod_spec(deployment(objs, "specdec-coordinator"))["containers"][0]
     assert "nvidia.com/gpu" not in coordinator["resources"]["limits"]
 

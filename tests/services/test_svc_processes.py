@@ -108,3 +108,13 @@ def test_service_flags_can_come_from_a_toml_file_and_flags_override_it(tmp_path)
     bad.write_text("max_batchh = 3\n")
     with pytest.raises(SystemExit):
         parse_settings(target_parser(), ["--config", str(bad)])
+
+
+@pytest.mark.parametrize("module", ["draft_service", "target_service"])
+def test_services_refuse_a_bad_device_before_loading_anything(module, capsys):
+    import importlib
+
+    main = importlib.import_module(f"{module}.__main__").main
+    assert main(["--device", "gpu0", "--port", "0", "--metrics-port", "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"{module}: error: unknown device 'gpu0'; use auto, cpu, cuda or cuda:N"
