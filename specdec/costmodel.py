@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from typing import Callable, Iterable, Mapping, Optional, Union
 
 import torch
@@ -151,6 +152,31 @@ def measure_verify_cost(lm, ks: Iterable[int] = range(1, 65), context_len: int =
 
     measure_forward_times(lm, ks, context_len, repeats, warmup, seed, progress=record, cpu_time=cpu_time)
     return curve
+
+
+# Per model: the verify-cost curve measured once in this process (for automatic tree / k choices).
+_MEASURED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+QUICK_SIZES = (1, 2, 3, 5, 9, 17)
+WIDE_SIZES = (33, 65)  # measured too when the curve is still flat at 17 (a GPU)
+
+
+def quick_verify_cost(lm) -> dict[int, float]:
+    """v(k) for a few sizes, measured once per model and process (~40 forwards against a short
+    context; interpolated between sizes). Thread CPU time when torch runs one thread (far less
+    disturbed by other processes), else wall time."""
+    if lm not in _MEASURED:
+        cpu_time = torch.get_num_threads() == 1 and lm.device.type == "cpu"
+        curve = measure_verify_cost(lm, ks=QUICK_SIZES, context_len=64, repeats=3, warmup=1, cpu_time=cpu_time)
+        if curve[QUICK_SIZES[-1]] < 1.5 and 64 + WIDE_SIZES[-1] <= lm.max_positions:
+            wide = measure_verify_cost(lm, ks=(1, *WIDE_SIZES), context_len=64, repeats=3, warmup=1, cpu_time=cpu_time)
+            curve.update({k: wide[k] for k in WIDE_SIZES})
+        # A forward over more tokens never costs less: keep the running maximum, so that timing
+        # noise at one size cannot make a larger tree look cheaper than a smaller one.
+        running = 0.0
+        for k in sorted(curve):
+            running = curve[k] = max(running, curve[k])
+        _MEASURED[lm] = curve
+    return _MEASURED[lm]
 
 
 def format_curve(curve: Mapping[int, float], base_ms: Optional[float] = None) -> str:

@@ -166,3 +166,21 @@ def greedy_tree(accuracy: Sequence[Sequence[float]], size: int) -> list[tuple[in
             for r in range(len(accuracy[d])):
                 heapq.heappush(heap, (neg * accuracy[d][r], path + (r,)))
     return out
+
+
+def best_tree_for_cost(accuracy: Sequence[Sequence[float]], cost, max_nodes: int = 16) -> list[tuple[int, ...]]:
+    """The greedy tree whose size maximizes predicted speed-up, (1 + expected accepted tokens) /
+    cost(nodes + 1): `cost(m)` is the verify cost of a forward over m tokens relative to one over
+    a single token (the measured curve of the hardware the target runs on). On a GPU, where cost
+    stays ~1 for dozens of tokens, this grows wide trees; on a CPU, where it does not, small ones."""
+    if max_nodes < 1:
+        raise ValueError("max_nodes must be >= 1")
+    best, best_score = greedy_tree(accuracy, 1), -1.0
+    for n in range(1, max_nodes + 1):
+        paths = greedy_tree(accuracy, n)
+        if len(paths) < n:
+            break  # the heads offer no more candidates
+        score = (1.0 + expected_accept_length(paths, accuracy)) / cost(n + 1)
+        if score > best_score + 1e-9:
+            best, best_score = paths, score
+    return best

@@ -11,8 +11,10 @@ Acceptance is the loop's: greedy (lossless, the default); sampling along the tre
 because the candidates are a deterministic function of the hidden state (one-hot draft
 distributions); typical acceptance is the opt-in lossy mode (`SamplingParams.typical`).
 
-Tree choice (`tree=`): "auto" (the heads' recorded default, picked by measurement on the
-hardware named in their config; else a greedy tree of AUTO_SIZE nodes), "chain", a number N
+Tree choice (`tree=`): "auto" (heads with recorded per-rank accuracies: the greedy tree whose
+size maximizes (1 + expected accepted tokens) / v(nodes + 1), with v the verify-cost curve
+measured on the target as it runs here, once per process: a few nodes on a CPU, wide trees on a
+GPU; heads without accuracies: their recorded default tree, else a chain), "chain", a number N
 (the N-node tree that maximizes expected accepted length under the heads' measured per-rank
 accuracies), a JSON list of paths, or a .json file holding one. A row never drafts deeper
 than its ctx.k.
@@ -31,19 +33,25 @@ from specdec.errors import InvalidRequest, ModelLoadError
 from specdec.lm import CausalLM
 from specdec.medusa_heads import MedusaHeads, load_heads, shipped_heads_dir
 from specdec.proposers.base import register
-from specdec.tree import CompiledTree, chain_tree, compile_tree, greedy_tree
+from specdec.tree import CompiledTree, best_tree_for_cost, chain_tree, compile_tree, greedy_tree
 from specdec.types import Proposal, ProposeContext, Verdict
 
-AUTO_SIZE = 8  # nodes in the automatic tree when the heads carry accuracies but no recorded default
+AUTO_MAX_NODES = 64  # the automatic tree's size is chosen in 1..AUTO_MAX_NODES
 
 
-def resolve_tree(spec, heads: MedusaHeads) -> list[tuple[int, ...]]:
-    """A tree setting (see the module docstring) -> list of paths for these heads."""
+def resolve_tree(spec, heads: MedusaHeads, target: Optional[CausalLM] = None) -> list[tuple[int, ...]]:
+    """A tree setting (see the module docstring) -> list of paths for these heads. "auto" measures
+    the verify cost of `target` when given."""
     cfg = heads.config
     if spec is None or spec == "auto":
+        if cfg.accuracy and target is not None:
+            from specdec.costmodel import quick_verify_cost, verify_cost_at
+
+            curve = quick_verify_cost(target)
+            return best_tree_for_cost(cfg.accuracy, lambda m: verify_cost_at(curve, m), AUTO_MAX_NODES)
         if cfg.default_tree:
             return [tuple(p) for p in cfg.default_tree]
-        return greedy_tree(cfg.accuracy, AUTO_SIZE) if cfg.accuracy else chain_tree(cfg.num_heads)
+        return chain_tree(cfg.num_heads)
     if isinstance(spec, str):
         s = spec.strip()
         if s == "chain":
@@ -90,7 +98,7 @@ class MedusaProposer:
         if self.bias is not None and self.vocab_ids is not None:
             self.bias = self.bias[self.vocab_ids]
         try:
-            self.tree: CompiledTree = compile_tree(resolve_tree(tree, heads))
+            self.tree: CompiledTree = compile_tree(resolve_tree(tree, heads, target))
         except ValueError as exc:
             raise InvalidRequest(f"bad Medusa tree: {exc}") from None
         self._by_depth: dict[int, CompiledTree] = {}

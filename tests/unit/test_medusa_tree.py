@@ -1,10 +1,12 @@
 """Medusa-style trees as data: a list of paths compiled into parents, mask, depths and retrieve
 indices, plus the greedy tree builder and its acceptance model."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from specdec.tree import chain_tree, compile_tree, expected_accept_length, greedy_tree
+from specdec.tree import best_tree_for_cost, chain_tree, compile_tree, expected_accept_length, greedy_tree
 
 
 def test_three_node_tree_compiles_by_hand():
@@ -59,3 +61,29 @@ def test_greedy_tree_takes_the_most_likely_nodes_first():
     tree = greedy_tree(acc, 7)
     assert (0, 0, 0) in tree
     compile_tree(tree)  # every greedy tree is a valid tree
+
+
+@pytest.mark.parametrize("v3, expected", [(1.5, [(0,)]), (1.1, [(0,), (0, 0)])])
+def test_tree_size_follows_the_verify_cost(v3, expected):
+    # one node: 1.5 tokens per step at cost v(2) = 1; two: 1.75 at v(3): worth it only if v(3) < 1.167
+    acc = [[0.5], [0.5]]
+    assert best_tree_for_cost(acc, {1: 1.0, 2: 1.0, 3: v3}.__getitem__, max_nodes=2) == expected
+
+
+def test_flat_cost_grows_the_tree_and_steep_cost_shrinks_it():
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.2], [0.4], [0.3]]
+    wide = best_tree_for_cost(acc, lambda m: 1.0, max_nodes=64)
+    narrow = best_tree_for_cost(acc, lambda m: 1.0 + 0.25 * (m - 1), max_nodes=64)
+    assert len(wide) == len(greedy_tree(acc, 64)) and len(narrow) <= 2
+
+
+def test_auto_tree_is_measured_on_the_target_once(tiny_target):
+    from specdec.costmodel import quick_verify_cost
+    from specdec.medusa_heads import new_heads
+    from specdec.proposers.medusa import resolve_tree
+
+    heads = new_heads(tiny_target, num_heads=3, target_name="tiny")
+    heads.config = dataclasses.replace(heads.config, accuracy=((0.5, 0.2), (0.4,), (0.3,)))
+    paths = resolve_tree("auto", heads, tiny_target)
+    assert 1 <= len(paths) <= len(greedy_tree(heads.config.accuracy, 64))
+    assert quick_verify_cost(tiny_target) is quick_verify_cost(tiny_target)  # measured once per process
