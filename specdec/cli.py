@@ -15,7 +15,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="decode one prompt and print the text and a stats line")
     p.add_argument("prompt", help="the user prompt (wrapped in the chat template unless --no-chat)")
     p.add_argument("--method", default="plain", choices=list(METHODS))
-    p.add_argument("--k", type=int, default=4, help="tokens drafted per step (default 4)")
+    p.add_argument("--k", default="auto",
+                   help="tokens drafted per step: a number, or auto (default: for draft and prompt-lookup, chosen "
+                        "after every step from this machine's measured verify and draft costs and the running "
+                        "acceptance rate; 4 for the other methods)")
     p.add_argument("--adaptive-k", action="store_true", help="grow k on full acceptance, shrink on early rejection")
     p.add_argument("--k-max", type=int, default=16, help="upper bound for --adaptive-k")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -60,7 +63,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print("specdec: note: --typical has no effect under greedy decoding (temperature 0), which stays exact",
               file=sys.stderr)
     stop = StopConditions(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop))
-    k = KSchedule(k=args.k, adaptive=args.adaptive_k, k_max=max(args.k_max, args.k))
+    if args.k == "auto" and not args.adaptive_k:
+        k = "auto"
+    else:
+        try:
+            k_fixed = 4 if args.k == "auto" else int(args.k)
+        except ValueError:
+            raise SpecdecError(f"--k must be a positive integer or auto, got {args.k!r}") from None
+        k = KSchedule(k=k_fixed, adaptive=args.adaptive_k, k_max=max(args.k_max, k_fixed))
     if not args.prompt.strip():
         raise SpecdecError("the prompt is empty")
     lookahead = _lookahead_config(args)

@@ -179,6 +179,20 @@ def quick_verify_cost(lm) -> dict[int, float]:
     return _MEASURED[lm]
 
 
+_DRAFT_COST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def quick_draft_cost(draft, target) -> float:
+    """c = the draft's time for a 1-token forward / the target's, measured once per draft and
+    process against short contexts (same clock rule as quick_verify_cost)."""
+    if draft not in _DRAFT_COST:
+        cpu_time = torch.get_num_threads() == 1 and target.device.type == "cpu"
+        t_draft = measure_forward_times(draft, ks=(1,), context_len=64, repeats=7, warmup=2, cpu_time=cpu_time)[1]
+        t_target = measure_forward_times(target, ks=(1,), context_len=64, repeats=7, warmup=2, cpu_time=cpu_time)[1]
+        _DRAFT_COST[draft] = t_draft / t_target
+    return _DRAFT_COST[draft]
+
+
 def format_curve(curve: Mapping[int, float], base_ms: Optional[float] = None) -> str:
     """A two-column text table of a verify-cost curve."""
     lines = ["k    v(k)"]

@@ -28,21 +28,50 @@ from specdec.types import (GenerationResult, GenerationStats, Proposal, ProposeC
 
 @dataclass(frozen=True)
 class KSchedule:
-    """How many tokens to draft. Adaptive: +2 after a fully accepted block, -1 after a block
-    rejected in its first half (the transformers heuristic), within [k_min, k_max]."""
+    """How many tokens to draft.
+
+    - fixed (default): always k;
+    - adaptive: +2 after a fully accepted block, -1 after a block rejected in its first half
+      (the transformers heuristic), within [k_min, k_max];
+    - cost-aware (`verify_cost` given, see `cost_aware`): after every block, the k in
+      [k_min, k_max] that maximizes E(alpha, k) / (k * draft_cost + v(k + 1)) for the row's
+      running acceptance rate (Leviathan et al.'s speed-up formula, specdec.costmodel), starting
+      from `prior_alpha`. On a CPU, whose verify cost jumps once a forward holds more than a few
+      tokens, this keeps k small unless the draft is very good.
+    """
 
     k: int = 4
     adaptive: bool = False
     k_min: int = 1
     k_max: int = 16
+    verify_cost: Optional[tuple[tuple[int, float], ...]] = None  # ((m, v(m)), ...) of the target
+    draft_cost: float = 0.0  # c: one drafted token / one target decode step
+    prior_alpha: float = 0.5
 
     def __post_init__(self) -> None:
         if self.k < 1:
             raise InvalidRequest(f"k must be >= 1, got {self.k}")
-        if self.adaptive and not (1 <= self.k_min <= self.k <= self.k_max):
+        if (self.adaptive or self.verify_cost) and not (1 <= self.k_min <= self.k <= self.k_max):
             raise InvalidRequest(f"adaptive k needs 1 <= k_min <= k <= k_max, got {self.k_min}, {self.k}, {self.k_max}")
 
-    def next(self, k: int, drafted: int, accepted: int) -> int:
+    @classmethod
+    def cost_aware(cls, verify_cost: dict[int, float], draft_cost: float, k_max: int = 8,
+                   prior_alpha: float = 0.5) -> "KSchedule":
+        from specdec.costmodel import best_k
+
+        curve = tuple(sorted(verify_cost.items()))
+        first = best_k(prior_alpha, draft_cost, dict(curve), range(1, k_max + 1))
+        return cls(k=first, k_max=k_max, verify_cost=curve, draft_cost=draft_cost, prior_alpha=prior_alpha)
+
+    def next(self, k: int, drafted: int, accepted: int, hits: int = 0, trials: int = 0) -> int:
+        """k for a row's next block, after one that drafted `drafted` and accepted `accepted`;
+        hits / trials: the row's drafted tokens accepted / judged so far (a judged token is one
+        accepted or the first rejected of a block; those after it are never judged)."""
+        if self.verify_cost is not None:
+            from specdec.costmodel import best_k
+
+            alpha = (hits + 4 * self.prior_alpha) / (trials + 4)
+            return best_k(alpha, self.draft_cost, dict(self.verify_cost), range(self.k_min, self.k_max + 1))
         if not self.adaptive or drafted == 0:
             return k
         if accepted == drafted:
@@ -169,6 +198,7 @@ def speculative_generate(
     checkers = [StopChecker(stop, detokenize) for _ in range(batch)]
     stats = [GenerationStats(target_forwards=1, emitted=1) for _ in range(batch)]
     row_k = [schedule.k] * batch
+    hits, trials = [0] * batch, [0] * batch  # per row: drafted tokens accepted / judged (for the schedule)
     needs_hidden = bool(getattr(proposer, "needs_hidden", False))
     cache = target.new_cache(batch)
     # The prefill is a target forward that emits one token, exactly as in plain decoding.
@@ -223,7 +253,9 @@ def speculative_generate(
             s.drafted += n
             s.accepted += len(path)
             s.emitted += len(taken)
-            row_k[b] = schedule.next(row_k[b], n, len(path))
+            hits[b] += len(path)
+            trials[b] += len(path) + (1 if len(path) < n else 0)
+            row_k[b] = schedule.next(row_k[b], n, len(path), hits[b], trials[b])
         cache.keep_last(keep)
         # 5. observe.
         proposer.observe(verdicts)

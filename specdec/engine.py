@@ -97,6 +97,22 @@ class Engine:
             self.draft = _load_draft(None, self.target, self.config)
         return self.draft
 
+    def k_schedule(self, method: str, k: "KSchedule | int | str") -> KSchedule | int:
+        """k as given, or for "auto": for draft and prompt-lookup, the cost-aware schedule from
+        this machine's measured verify cost and draft cost (measured once per process); for the
+        others (whose k only bounds the depth of their own proposals) 4."""
+        if k != "auto":
+            if isinstance(k, str):
+                raise InvalidRequest(f"k must be a positive integer or 'auto', got {k!r}")
+            return k
+        if method not in ("draft", "prompt-lookup"):
+            return 4
+        from specdec.costmodel import quick_draft_cost, quick_verify_cost
+
+        lm = self.target.lm
+        c = quick_draft_cost(self.require_draft().lm, lm) if method == "draft" else 0.0
+        return KSchedule.cost_aware(quick_verify_cost(lm), c)
+
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         if not prompt.strip():
             raise InvalidRequest("the prompt is empty")
@@ -109,9 +125,11 @@ class Engine:
 
     def generate_ids(self, prompts: Sequence[Sequence[int]], method: str = "plain",
                      sampling: SamplingParams = SamplingParams(), stop: StopConditions = StopConditions(),
-                     k: KSchedule | int = 4) -> list[GenerationResult]:
+                     k: KSchedule | int | str = 4) -> list[GenerationResult]:
+        """k: a number, a KSchedule, or "auto" (see k_schedule)."""
         if method not in METHODS:
             raise InvalidRequest(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        k = self.k_schedule(method, k)
         if not stop.eos_token_ids:
             stop = StopConditions(stop.max_new_tokens, self.target.lm.eos_token_ids, stop.stop_strings)
         detok = self.decode if stop.stop_strings else None
@@ -121,7 +139,8 @@ class Engine:
         return speculative_generate(self.target.lm, builder(self), prompts, sampling, stop, k=k, detokenize=detok)
 
     def complete(self, prompt: str, method: str = "plain", sampling: SamplingParams = SamplingParams(),
-                 stop: StopConditions = StopConditions(), k: KSchedule | int = 4, chat: bool = True) -> Completion:
+                 stop: StopConditions = StopConditions(), k: KSchedule | int | str = 4,
+                 chat: bool = True) -> Completion:
         ids = self.encode(prompt, chat=chat)
         result = self.generate_ids([ids], method, sampling, stop, k)[0]
         text = cut_at_stop_string(self.decode(result.token_ids), stop.stop_strings)

@@ -18,6 +18,7 @@ from specdec.types import StopConditions
     (["hi", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["hi", "--k", "0"], "k must be >= 1"),
+    (["hi", "--k", "many"], "--k must be a positive integer or auto, got 'many'"),
     (["hi", "--target", "/no/such/model"], "model path not found: /no/such/model"),
 ])
 def test_cli_reports_bad_input_in_one_line(capsys, args, message):

@@ -58,6 +58,21 @@ def test_adaptive_k_keeps_output_and_grows_on_acceptance(tiny_target, tiny_draft
     assert min(g.stats.tau for g in got) > 3.0
 
 
+CPU_LIKE_COST = {1: 1.0, 2: 1.02, 3: 1.57, 5: 1.7, 9: 2.8, 17: 3.3}  # measured shape (fast backend, 1 thread)
+
+
+def test_cost_aware_k_keeps_output_and_follows_the_acceptance_rate(tiny_target, tiny_draft):
+    schedule = KSchedule.cost_aware(CPU_LIKE_COST, draft_cost=0.1)
+    assert schedule.k == 1  # a middling draft on a CPU-like cost curve: one token per step
+    assert schedule.next(1, 1, 1, hits=60, trials=60) > 2  # a draft that is always right earns a longer block
+    assert schedule.next(4, 4, 0, hits=0, trials=20) == 1
+    _check(tiny_target, DraftModelProposer(tiny_draft), PROMPTS, StopConditions(max_new_tokens=40), schedule)
+    got = _check(tiny_target, DraftModelProposer(tiny_target), PROMPTS, StopConditions(max_new_tokens=40), schedule)
+    assert min(g.stats.tau for g in got) > 2.5  # k grew with the (perfect) acceptance
+    flat = KSchedule.cost_aware({1: 1.0, 65: 1.0}, draft_cost=0.0)
+    assert flat.k == flat.k_max  # free verification and free drafts: draft as far as allowed
+
+
 def test_stats_count_forwards_and_tokens(tiny_target, tiny_draft):
     (g,) = speculative_generate(tiny_target, DraftModelProposer(tiny_draft), [PROMPTS[0]],
                                 stop=StopConditions(max_new_tokens=20), k=4)
