@@ -55,7 +55,8 @@ class TrainState:
     step: int = 0
     tokens_seen: int = 0
     elapsed_s: float = 0.0
-    history: list = field(default_factory=list)  # [(tokens_seen, held-out top-1 agreement, held-out loss)]
+    # [(tokens_seen, held-out top-1 agreement with the target on answer tokens, held-out loss)]
+    history: list = field(default_factory=list)
 
 
 # --- data -------------------------------------------------------------------------------------
@@ -113,15 +114,19 @@ def prepare(rows: list[dict], recipe: DraftRecipe) -> list[dict]:
         start = len(r["prompt_ids"])
         cut = max(0, len(ids) - recipe.max_seq)
         first = 1 if recipe.prompt_positions else max(1, start - cut)
+        # answer_start: first position with a loss; eval_start: first answer position (agreement is
+        # measured on answers only: prompts carry the chat template's fixed system text, which any
+        # draft learns at once and which would flatter the figure).
         out.append({"index_key": f"{r['source']}:{r['index']}:{int(r['sampled'])}:{first}", "category": r["category"],
-                    "ids": ids[cut:], "answer_start": first})
+                    "ids": ids[cut:], "answer_start": first, "eval_start": max(1, start - cut)})
     return out
 
 
 # --- training ---------------------------------------------------------------------------------
 
 def _batch_loss(model, head_ids: torch.Tensor, to_subset: torch.Tensor, batch: list[dict]):
-    """Mean soft cross-entropy over answer positions of a padded batch, and top-1 agreement."""
+    """Mean soft cross-entropy over the loss positions of a padded batch, and top-1 agreement with
+    the target over its answer positions: (loss, agreeing positions, answer positions, loss positions)."""
     width = max(len(s["ids"]) for s in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     attn = torch.zeros(len(batch), width, dtype=torch.long)
@@ -130,7 +135,7 @@ def _batch_loss(model, head_ids: torch.Tensor, to_subset: torch.Tensor, batch: l
         attn[b, : len(s["ids"])] = 1
     hidden = model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state  # [batch, width, hidden]
     head = model.get_output_embeddings().weight[head_ids]  # [subset, hidden], frozen
-    total, agree, count = 0.0, 0, 0
+    total, agree, count, judged = 0.0, 0, 0, 0
     for b, s in enumerate(batch):
         start, n = s["answer_start"], len(s["ids"])
         logq = torch.log_softmax(hidden[b, start - 1 : n - 1] @ head.T, dim=-1)  # [m, subset]
@@ -139,9 +144,11 @@ def _batch_loss(model, head_ids: torch.Tensor, to_subset: torch.Tensor, batch: l
         teacher = torch.softmax(s["top_logits"].float().masked_fill(~inside, float("-inf")), dim=-1)  # [m, topk]
         teacher = torch.nan_to_num(teacher)  # rows whose whole top-k is outside the subset carry no signal
         total = total - (teacher * logq.gather(1, top_sub.clamp_min(0))).sum()
-        agree += int((head_ids[logq.argmax(-1)] == s["top_ids"][:, 0].long()).sum())
+        ans = max(0, s.get("eval_start", start) - start)  # first answer row of logq
+        agree += int((head_ids[logq[ans:].argmax(-1)] == s["top_ids"][ans:, 0].long()).sum())
+        judged += logq.shape[0] - ans
         count += logq.shape[0]
-    return total / max(count, 1), agree, count
+    return total / max(count, 1), agree, judged, count
 
 
 def train_draft(target: CausalLM, data_dirs: list[Path], out_dir: Path, work_dir: Path, *,
@@ -187,13 +194,13 @@ def train_draft(target: CausalLM, data_dirs: list[Path], out_dir: Path, work_dir
         """-> (tokens seen, held-out top-1 agreement with the target, held-out loss)."""
         model.eval()
         with torch.no_grad():
-            agree = count = 0
+            agree = judged = count = 0
             loss = 0.0
             for i in range(0, len(heldout), 8):
-                l, a, c = _batch_loss(model, head_ids, to_subset, heldout[i : i + 8])
-                agree, count, loss = agree + a, count + c, loss + float(l) * c
+                l, a, j, c = _batch_loss(model, head_ids, to_subset, heldout[i : i + 8])
+                agree, judged, count, loss = agree + a, judged + j, count + c, loss + float(l) * c
         model.train()
-        return state.tokens_seen, round(agree / max(count, 1), 4), round(loss / max(count, 1), 4)
+        return state.tokens_seen, round(agree / max(judged, 1), 4), round(loss / max(count, 1), 4)
 
     def checkpoint() -> None:
         torch.save({"model": {k: v for k, v in model.state_dict().items() if "embed" not in k and "lm_head" not in k},
@@ -219,7 +226,7 @@ def train_draft(target: CausalLM, data_dirs: list[Path], out_dir: Path, work_dir
             tokens += len(s["ids"]) - s["answer_start"]
         for g in opt.param_groups:
             g["lr"] = lr_at(state.step)
-        loss, agree, count = _batch_loss(model, head_ids, to_subset, batch)
+        loss, agree, judged, count = _batch_loss(model, head_ids, to_subset, batch)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -227,7 +234,7 @@ def train_draft(target: CausalLM, data_dirs: list[Path], out_dir: Path, work_dir
         state.step += 1
         state.tokens_seen += count
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", agree=f"{agree / max(count, 1):.2f}")
+        bar.set_postfix(loss=f"{loss.item():.3f}", agree=f"{agree / max(judged, 1):.2f}")
         if time.monotonic() - last_ckpt > checkpoint_every_s:
             state.history.append(evaluate())
             checkpoint()
