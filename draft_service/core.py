@@ -10,9 +10,6 @@ missing or stale session is refused with NotFound; the caller prefills it again.
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -25,12 +22,12 @@ from specdec.proposers.draft_model import DraftModelProposer, common_prefix_len
 from specdec.rpc.batching import MicroBatcher
 from specdec.rpc.convert import check_token_ids, step_seed, token_digest
 from specdec.rpc.metrics import ServiceMetrics
+from specdec.rpc.session_table import SessionTable
 from specdec.rpc.serving import NotFound
 from specdec.sampling import make_generator
 from specdec.types import ProposeContext, SamplingParams
 from specdec.verify import load_committed
 
-log = logging.getLogger("draft_service")
 _DRAFT_SALT = 0x5EED
 
 
@@ -78,32 +75,14 @@ class DraftCore:
         self.draft = draft
         self.settings = settings
         self.metrics = metrics or ServiceMetrics("draft")
-        self._last_seen: dict[str, float] = {}
-        self.sessions: OrderedDict[str, DraftSession] = OrderedDict()
+        self.sessions: SessionTable[DraftSession] = SessionTable(
+            settings.max_sessions, lambda sid: DraftSession(sid, self._new_proposer()), self.metrics.sessions)
         self.batcher = MicroBatcher(self._run, max_batch=settings.max_batch, window_s=settings.batch_window_ms / 1000,
                                     max_queue=settings.max_queue, metrics=self.metrics,
-                                    expect_company=self._others_active)
+                                    expect_company=self.sessions.active_recently)
 
     def _session(self, session_id: str, create: bool = False) -> DraftSession:
-        sess = self.sessions.get(session_id)
-        if sess is None:
-            if not create:
-                raise NotFound(f"unknown session {session_id}: prefill it first")
-            sess = self.sessions[session_id] = DraftSession(session_id, self._new_proposer())
-            while len(self.sessions) > self.settings.max_sessions:
-                evicted, _ = self.sessions.popitem(last=False)
-                log.info("evicted session %s (LRU)", evicted)
-        self.sessions.move_to_end(session_id)
-        self.metrics.sessions.set(len(self.sessions))
-        self._last_seen[session_id] = time.monotonic()
-        return sess
-
-    def _others_active(self) -> int:
-        """Sessions that called in the last 2 s: how many requests a batch can hope to collect."""
-        now = time.monotonic()
-        for sid in [s for s, t in self._last_seen.items() if now - t > 2.0]:
-            del self._last_seen[sid]
-        return len(self._last_seen)
+        return self.sessions.get(session_id, create)
 
     def _new_proposer(self) -> DraftModelProposer:
         """A proposer holding one row (this session), with an empty cache."""
@@ -114,10 +93,7 @@ class DraftCore:
         return proposer
 
     def release(self, session_id: str) -> bool:
-        self._last_seen.pop(session_id, None)
-        found = self.sessions.pop(session_id, None) is not None
-        self.metrics.sessions.set(len(self.sessions))
-        return found
+        return self.sessions.release(session_id)
 
     async def prefill(self, session_id: str, token_ids: Sequence[int]) -> int:
         ids = check_token_ids(token_ids, self.draft.vocab_size, "prompt token ids")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from specdec.proposers.draft_model import common_prefix_len
 from specdec.rpc.batching import MicroBatcher
 from specdec.rpc.convert import check_token_ids, step_seed, token_digest
 from specdec.rpc.metrics import ServiceMetrics
+from specdec.rpc.session_table import SessionTable
 from specdec.rpc.serving import FailedPrecondition, NotFound
 from specdec.sampling import make_generator
 from specdec.types import Proposal, ProposeContext, SamplingParams
@@ -108,8 +108,8 @@ class TargetCore:
         self.settings = settings
         self.metrics = metrics or ServiceMetrics("target")
         self.tokenizer_dir = tokenizer_dir
-        self._last_seen: dict[str, float] = {}
-        self.sessions: OrderedDict[str, TargetSession] = OrderedDict()
+        self.sessions: SessionTable[TargetSession] = SessionTable(settings.max_sessions, TargetSession,
+                                                                  self.metrics.sessions)
         # Per session: how often it was (re)built here (the most recent sessions only; for tests and debugging).
         self.prefills: OrderedDict[str, int] = OrderedDict()
         self.methods = methods if methods is not None else discover_methods(target)
@@ -117,35 +117,14 @@ class TargetCore:
         self.needs_hidden = any(getattr(build, "needs_hidden", False) for build in self.methods.values())
         self.batcher = MicroBatcher(self._run_steps, max_batch=settings.max_batch,
                                     window_s=settings.batch_window_ms / 1000, max_queue=settings.max_queue,
-                                    metrics=self.metrics, expect_company=self._others_active)
+                                    metrics=self.metrics, expect_company=self.sessions.active_recently)
 
     # --- sessions --------------------------------------------------------------------------
     def _session(self, session_id: str, create: bool = False) -> TargetSession:
-        sess = self.sessions.get(session_id)
-        if sess is None:
-            if not create:
-                raise NotFound(f"unknown session {session_id}: prefill it first")
-            sess = self.sessions[session_id] = TargetSession(session_id)
-            while len(self.sessions) > self.settings.max_sessions:
-                evicted, _ = self.sessions.popitem(last=False)
-                log.info("evicted session %s (LRU)", evicted)
-        self.sessions.move_to_end(session_id)
-        self.metrics.sessions.set(len(self.sessions))
-        self._last_seen[session_id] = time.monotonic()
-        return sess
-
-    def _others_active(self) -> int:
-        """Sessions that called in the last 2 s: how many requests a batch can hope to collect."""
-        now = time.monotonic()
-        for sid in [s for s, t in self._last_seen.items() if now - t > 2.0]:
-            del self._last_seen[sid]
-        return len(self._last_seen)
+        return self.sessions.get(session_id, create)
 
     def release(self, session_id: str) -> bool:
-        self._last_seen.pop(session_id, None)
-        found = self.sessions.pop(session_id, None) is not None
-        self.metrics.sessions.set(len(self.sessions))
-        return found
+        return self.sessions.release(session_id)
 
     def _check_tokens(self, token_ids: Sequence[int], what: str) -> list[int]:
         return check_token_ids(token_ids, self.target.vocab_size, what)
