@@ -30,7 +30,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from specdec.rpc.serving import (add_common_flags, apply_threads, parse_settings, serve_until_signal,
+from specdec.rpc.serving import (add_common_flags, apply_threads, parse_settings, run_service, serve_until_signal,
                                  server_settings)
 
 _NS_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -92,14 +92,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--redis-url is required (e.g. redis://127.0.0.1:6379/0)")
     if args.discovery == "static" and not args.target_replicas:
         parser.error("static discovery needs --target-replicas host:port,...")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from specdec.errors import SpecdecError
-    try:
-        asyncio.run(_serve(args))
-    except (SpecdecError, ValueError) as exc:
-        print(f"coordinator: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_service("coordinator", _serve, args, errors=(SpecdecError, ValueError))
 
 
 if __name__ == "__main__":

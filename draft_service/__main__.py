@@ -19,13 +19,12 @@ Serves grpc.health.v1 ("" and specdec.rpc.v1.DraftService), reflection, and /met
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from typing import Optional, Sequence
 
 from specdec.rpc.serving import (add_common_flags, add_model_flags, apply_threads, model_placement,
-                                 parse_settings, serve_until_signal, server_settings)
+                                 parse_settings, run_service, serve_until_signal, server_settings)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,15 +60,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_settings(build_parser(), argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from specdec.errors import SpecdecError
-    try:
-        asyncio.run(_serve(args))
-    except SpecdecError as exc:
-        print(f"draft_service: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_service("draft_service", _serve, parse_settings(build_parser(), argv))
 
 
 if __name__ == "__main__":

@@ -297,6 +297,21 @@ def model_placement(args: argparse.Namespace) -> tuple[str, "torch.dtype"]:  # n
     return device, resolve_dtype(args.dtype, device)
 
 
+def run_service(name: str, serve: Callable[[argparse.Namespace], "asyncio.Future"], args: argparse.Namespace,
+                errors: tuple[type[BaseException], ...] = (SpecdecError,)) -> int:
+    """A service's main: logging, the event loop, and a one-line error with exit status 2 for a
+    bad setting or model (never a traceback)."""
+    import sys
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        asyncio.run(serve(args))
+    except errors as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def apply_threads(args: argparse.Namespace) -> None:
     """Several model processes on one machine each default to a thread per core and then fight
     over the cores; --threads caps this process."""
