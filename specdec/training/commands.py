@@ -96,7 +96,7 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--per-category", type=int, default=2)
     d.add_argument("--k", type=int, default=4)
     d.add_argument("--max-new-tokens", type=int, default=64)
-    d.add_argument("--backend", default="hf")
+    d.add_argument("--backend", default="auto", help="target backend (default auto, as `specdec generate`)")
     d.set_defaults(func=_cmd_eval_draft)
 
 

@@ -2,8 +2,12 @@
 
 Reports greedy alpha, alpha at temperature 0.7, tau at k, c (draft ms per token / target ms
 per token, measured here), the speedup predicted by E / (k*c + v(k+1)) next to the measured
-one (in-process speculative vs plain, same prompts, same run, outputs compared), and the
-draft's alpha-vs-training-tokens history when the draft directory recorded one.
+one (in-process speculative vs plain, same prompts, same run, outputs compared), the measured
+speedup of `--k auto` (the cost-aware schedule the engine uses by default), and the draft's
+alpha-vs-training-tokens history when the draft directory recorded one.
+
+Times are the calling thread's CPU time when torch runs one thread on the CPU (much less
+disturbed by other processes on a shared machine), else wall time.
 """
 
 from __future__ import annotations
@@ -31,11 +35,16 @@ class CategoryReport:
     tau: float
     plain_tok_s: float
     spec_tok_s: float
+    auto_tok_s: float  # --k auto
     identical: bool
 
     @property
     def measured_speedup(self) -> float:
         return self.spec_tok_s / self.plain_tok_s if self.plain_tok_s else 0.0
+
+    @property
+    def auto_speedup(self) -> float:
+        return self.auto_tok_s / self.plain_tok_s if self.plain_tok_s else 0.0
 
 
 def load_prompt_file(path: Path, tokenizer, per_category: int) -> list[tuple[str, list[int]]]:
@@ -57,18 +66,30 @@ def load_prompt_file(path: Path, tokenizer, per_category: int) -> list[tuple[str
 
 def evaluate_draft(target: CausalLM, draft: CausalLM, prompts: Sequence[tuple[str, list[int]]], k: int = 4,
                    max_new_tokens: int = 64) -> tuple[list[CategoryReport], dict]:
+    import torch
+
+    from specdec.costmodel import quick_draft_cost, quick_verify_cost
+    from specdec.decode import KSchedule
+
+    cpu_time = torch.get_num_threads() == 1 and target.device.type == "cpu"
+    clock = time.thread_time if cpu_time else time.perf_counter
+    auto = KSchedule.cost_aware(quick_verify_cost(target), quick_draft_cost(draft, target))
     stop = StopConditions(max_new_tokens=max_new_tokens, eos_token_ids=target.eos_token_ids)
     by_cat: dict[str, list] = defaultdict(list)
+
+    def timed(fn):
+        t0 = clock()
+        out = fn()[0]
+        return out, clock() - t0
+
     for cat, ids in prompts:
-        t0 = time.perf_counter()
-        plain = plain_generate(target, [ids], stop=stop)[0]
-        t_plain = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        spec = speculative_generate(target, DraftModelProposer(draft), [ids], stop=stop, k=k)[0]
-        t_spec = time.perf_counter() - t0
+        plain, t_plain = timed(lambda: plain_generate(target, [ids], stop=stop))
+        spec, t_spec = timed(lambda: speculative_generate(target, DraftModelProposer(draft), [ids], stop=stop, k=k))
+        spec_auto, t_auto = timed(lambda: speculative_generate(target, DraftModelProposer(draft), [ids], stop=stop,
+                                                               k=auto))
         sampled = speculative_generate(target, DraftModelProposer(draft), [ids], stop=stop, k=k,
                                        sampling=SamplingParams(temperature=0.7, seed=0))[0]
-        by_cat[cat].append((plain, t_plain, spec, t_spec, sampled))
+        by_cat[cat].append((plain, t_plain, spec, t_spec, sampled, spec_auto, t_auto))
     reports = []
     for cat, rows in by_cat.items():
         def ratio(num, den):
@@ -80,29 +101,32 @@ def evaluate_draft(target: CausalLM, draft: CausalLM, prompts: Sequence[tuple[st
             tau=ratio(sum(r[2].stats.emitted for r in rows), sum(r[2].stats.target_forwards for r in rows)),
             plain_tok_s=ratio(sum(len(r[0].token_ids) for r in rows), sum(r[1] for r in rows)),
             spec_tok_s=ratio(sum(len(r[2].token_ids) for r in rows), sum(r[3] for r in rows)),
-            identical=all(r[0].token_ids == r[2].token_ids for r in rows)))
-    # Costs: one decode step of each model against a warm cache, timed interleaved.
-    draft_times, draft_one = measure_forward_times(draft, ks=[1], context_len=256, repeats=7)
-    target_times, target_one = measure_forward_times(target, ks=[1], context_len=256, repeats=7)
-    curve = measure_verify_cost(target, ks=range(1, k + 2), context_len=256, repeats=5)
-    costs = {"c": draft_one / target_one, "draft_ms": draft_one * 1e3, "target_ms": target_one * 1e3, "v": curve}
+            auto_tok_s=ratio(sum(len(r[5].token_ids) for r in rows), sum(r[6] for r in rows)),
+            identical=all(r[0].token_ids == r[2].token_ids == r[5].token_ids for r in rows)))
+    # Costs: one decode step of each model against a warm cache.
+    draft_times, draft_one = measure_forward_times(draft, ks=[1], context_len=256, repeats=7, cpu_time=cpu_time)
+    target_times, target_one = measure_forward_times(target, ks=[1], context_len=256, repeats=7, cpu_time=cpu_time)
+    curve = measure_verify_cost(target, ks=range(1, k + 2), context_len=256, repeats=5, cpu_time=cpu_time)
+    costs = {"c": draft_one / target_one, "draft_ms": draft_one * 1e3, "target_ms": target_one * 1e3, "v": curve,
+             "clock": "thread CPU time" if cpu_time else "wall time"}
     return reports, costs
 
 
 def format_report(reports: Sequence[CategoryReport], costs: dict, k: int, history: Optional[list] = None) -> str:
     c, v = costs["c"], costs["v"]
-    lines = [f"c = {c:.3f} (draft {costs['draft_ms']:.1f} ms / target {costs['target_ms']:.1f} ms per token); "
-             f"v(k+1) = {v[k + 1]:.2f}; k = {k}",
-             "| category | prompts | alpha greedy | alpha T=0.7 | tau | predicted | measured | identical |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"c = {c:.3f} (draft {costs['draft_ms']:.1f} ms / target {costs['target_ms']:.1f} ms per token, "
+             f"{costs.get('clock', 'wall time')}); v(k+1) = {v[k + 1]:.2f}; k = {k}",
+             "| category | prompts | alpha greedy | alpha T=0.7 | tau | predicted | measured | measured, k auto "
+             "| identical |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(reports, key=lambda r: r.category):
         lines.append(f"| {r.category} | {r.prompts} | {r.alpha_greedy:.2f} | {r.alpha_t07:.2f} | {r.tau:.2f} | "
                      f"{predicted_speedup(min(r.alpha_greedy, 0.999), k, c, v):.2f}x | {r.measured_speedup:.2f}x | "
-                     f"{'yes' if r.identical else 'NO'} |")
+                     f"{r.auto_speedup:.2f}x | {'yes' if r.identical else 'NO'} |")
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
     lines.append(f"| mean over categories | | {mean([r.alpha_greedy for r in reports]):.2f} | "
                  f"{mean([r.alpha_t07 for r in reports]):.2f} | {mean([r.tau for r in reports]):.2f} | | "
-                 f"{mean([r.measured_speedup for r in reports]):.2f}x | |")
+                 f"{mean([r.measured_speedup for r in reports]):.2f}x | {mean([r.auto_speedup for r in reports]):.2f}x | |")
     if history:
         lines.append("\nheld-out top-1 agreement vs training tokens: " +
                      ", ".join(f"{int(h[0])}: {h[1]:.3f}" for h in history))

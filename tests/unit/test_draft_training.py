@@ -78,3 +78,16 @@ def test_draft_runs_alike_on_both_backends(tiny_target, tmp_path):
     assert torch.equal(finite, torch.isfinite(outs[1]))
     assert finite[0, 0].nonzero().flatten().tolist() == subset.tolist()  # only the subset is ever drafted
     torch.testing.assert_close(outs[0][finite], outs[1][finite], rtol=1e-4, atol=1e-4)
+
+
+def test_eval_report_measures_a_draft_per_category(tiny_target, tiny_draft):
+    from specdec.training.draft_eval import evaluate_draft, format_report
+
+    prompts = [("code", [5, 17, 33, 2]), ("chat", [9, 9, 40, 41]), ("chat", [60, 12, 7])]
+    reports, costs = evaluate_draft(tiny_target, tiny_draft, prompts, k=3, max_new_tokens=12)
+    by_cat = {r.category: r for r in reports}
+    assert set(by_cat) == {"code", "chat"} and by_cat["chat"].prompts == 2
+    assert all(r.identical and 0.0 <= r.alpha_greedy <= 1.0 and r.tau >= 1.0 for r in reports)
+    assert costs["c"] > 0 and costs["v"][1] == 1.0 and set(costs["v"]) == {1, 2, 3, 4}
+    text = format_report(reports, costs, 3, history=[[1000, 0.25, 3.0]])
+    assert "| chat | 2 |" in text and "measured, k auto" in text and "1000: 0.250" in text
