@@ -46,12 +46,16 @@ PEERS = ("hf-generate", "hf-assisted", "hf-prompt-lookup")
 @dataclass(frozen=True)
 class BenchConfig:
     target: Optional[str] = None  # None: the embedded default target
-    draft: str = "early-exit:4"  # a model directory, or early-exit:N (the target's first N layers)
+    # "shipped": the draft shipped for the target (early-exit:4 if none); a model or specdec draft
+    # directory; or early-exit:N (the target's first N layers, untrained)
+    draft: str = "shipped"
     prompts: Path = DEFAULT_PROMPTS  # jsonl rows with "id", "category", "turns" (first turn used)
     per_category: int = 5  # prompts per category, a fixed seeded sample; 0 = all of them
     categories: tuple[str, ...] = ()  # () = every category in the file
     max_new_tokens: int = 128
-    k: int = 4  # tokens drafted per step (specdec draft / prompt-lookup; HF assisted's starting count)
+    # tokens drafted per step (specdec draft / prompt-lookup; HF assisted's starting count), or "auto":
+    # the engine's cost-aware schedule for specdec (HF assisted then starts at 4 and adapts)
+    k: int | str = "auto"
     prompt_lookup_tokens: int = 10  # HF prompt lookup's prompt_lookup_num_tokens (its documented example)
     methods: tuple[str, ...] = ()  # () = every available method
     backends: tuple[str, ...] = ("auto",)  # specdec backends to run its methods on (see models.BACKENDS)
@@ -65,8 +69,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.per_category < 0:
             raise InvalidRequest("per_category must be >= 0 (0 = all prompts)")
-        if self.max_new_tokens < 1 or self.k < 1:
-            raise InvalidRequest("max_new_tokens and k must be >= 1")
+        if self.max_new_tokens < 1 or (self.k != "auto" and (not isinstance(self.k, int) or self.k < 1)):
+            raise InvalidRequest("max_new_tokens must be >= 1 and k >= 1 or 'auto'")
         if not self.backends:
             raise InvalidRequest("give at least one backend")
 
@@ -201,7 +205,8 @@ def _hf_assisted(ctx: BenchContext) -> Runner:
     if ctx.draft is None:
         raise InvalidRequest("no draft model")
     assistant = ctx.draft.lm.model
-    assistant.generation_config.num_assistant_tokens = ctx.config.k  # HF then adapts it (heuristic schedule)
+    # HF then adapts it (heuristic schedule)
+    assistant.generation_config.num_assistant_tokens = 4 if ctx.config.k == "auto" else ctx.config.k
     return _hf_runner(ctx, assistant_model=assistant)
 
 
@@ -224,7 +229,7 @@ def method_label(method: str, backend: str, backends: Sequence[str]) -> str:
 
 
 def _specdec_runner(ctx: BenchContext, method: str, backend: str) -> Runner:
-    from specdec.decode import KSchedule, plain_generate, speculative_generate
+    from specdec.decode import plain_generate, speculative_generate
     from specdec.engine import METHODS
 
     engine = ctx.engines[backend]
@@ -232,6 +237,7 @@ def _specdec_runner(ctx: BenchContext, method: str, backend: str) -> Runner:
     if builder is not None:
         builder(engine)  # fail now (e.g. missing Medusa heads), not on the first prompt
     lm = engine.target.lm
+    schedule = engine.k_schedule(method, ctx.config.k)  # measured before any clock starts
 
     def run(prompt: BenchPrompt) -> RunRecord:
         ids = [list(prompt.token_ids)]
@@ -241,7 +247,7 @@ def _specdec_runner(ctx: BenchContext, method: str, backend: str) -> Runner:
         else:
             proposer = builder(engine)  # fresh per prompt, built before the clock starts
             t0 = time.perf_counter()
-            res = speculative_generate(lm, proposer, ids, stop=ctx.stop, k=KSchedule(k=ctx.config.k))[0]
+            res = speculative_generate(lm, proposer, ids, stop=ctx.stop, k=schedule)[0]
         dt = time.perf_counter() - t0
         s = res.stats
         return RunRecord("", prompt.id, prompt.category, tuple(res.token_ids), dt, s.target_forwards,
@@ -253,17 +259,24 @@ def _specdec_runner(ctx: BenchContext, method: str, backend: str) -> Runner:
 # --- loading ----------------------------------------------------------------------------------
 
 def load_draft_for_bench(spec: str, target: LoadedModel, device: str) -> LoadedModel:
-    """`early-exit:N`: the target's first N layers (an untrained draft); else a model directory."""
+    """`shipped`: the draft shipped for the target (else early-exit:4); `early-exit:N`: the
+    target's first N layers (an untrained draft); a specdec draft directory; else a model directory."""
+    from specdec.drafts import is_draft_dir, load_draft, shipped_draft_path
     from specdec.models import check_compatible
 
+    if spec == "shipped":
+        path = shipped_draft_path(target.lm.name)
+        spec = str(path) if path is not None else "early-exit:4"
     if spec.startswith("early-exit:"):
         try:
             n = int(spec.split(":", 1)[1])
         except ValueError:
-            raise InvalidRequest(f"bad draft spec {spec!r}; use early-exit:N or a directory") from None
+            raise InvalidRequest(f"bad draft spec {spec!r}; use shipped, early-exit:N or a directory") from None
         lm = early_exit_copy(target.lm, n)
         lm.model.to(device)
         return LoadedModel(lm=lm, tokenizer=target.tokenizer, path=spec)
+    if is_draft_dir(Path(spec)):
+        return LoadedModel(lm=load_draft(Path(spec), target.lm, backend="hf"), tokenizer=target.tokenizer, path=spec)
     draft = load_model(spec, device=device)
     check_compatible(target, draft)
     return draft
@@ -292,16 +305,23 @@ def _on_backend(loaded: LoadedModel, backend: str) -> LoadedModel:
     """The same weights behind another backend's adapter. Models the fast backend cannot run, and
     adapters with their own forward (e.g. subset-head drafts), stay as they are."""
     from specdec.fast import supports_fast
+    from specdec.drafts import SubsetHeadLM
+    from specdec.fast import FastLlamaLM
     from specdec.lm import CausalLM
 
-    from specdec.fast import FastLlamaLM
-
+    lm = loaded.lm
+    rows = lm.token_ids if isinstance(lm, SubsetHeadLM) else getattr(lm, "head_rows", None)
     if backend == "hf":
-        return replace(loaded, lm=CausalLM(loaded.lm.model, loaded.lm.name)) if isinstance(loaded.lm, FastLlamaLM) \
-            else loaded
-    if type(loaded.lm) is not CausalLM or supports_fast(loaded.lm.config) is not None:
+        if not isinstance(lm, FastLlamaLM):
+            return loaded
+        hf = CausalLM(lm.model, lm.name) if rows is None else SubsetHeadLM(lm.model, rows, lm.name)
+        return replace(loaded, lm=hf)
+    if type(lm) not in (CausalLM, SubsetHeadLM) or supports_fast(lm.config) is not None:
         return loaded
-    return LoadedModel(wrap_model(loaded.lm.model, loaded.lm.name, backend), loaded.tokenizer, loaded.path)
+    if rows is not None:  # a subset-head draft: the fast forward scores the same rows
+        return replace(loaded, lm=FastLlamaLM(lm.model, name=lm.name, head_rows=rows,
+                                              weight_dtype=torch.bfloat16 if backend == "fast-bf16" else None))
+    return LoadedModel(wrap_model(lm.model, lm.name, backend), loaded.tokenizer, loaded.path)
 
 
 def available_methods(ctx: BenchContext) -> tuple[dict[str, Runner], dict[str, str]]:

@@ -43,7 +43,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--all", action="store_true", help="every prompt in the file (overrides --per-category)")
     p.add_argument("--categories", default="", help="comma-separated categories (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--k", type=int, default=4, help="tokens drafted per step (default 4)")
+    p.add_argument("--k", default="auto",
+                   help="tokens drafted per step, or auto (default: specdec's cost-aware schedule; HF assisted "
+                        "starts at 4 and adapts)")
     p.add_argument("--methods", default="",
                    help="comma-separated methods (default: every available: hf-generate, hf-assisted, "
                         "hf-prompt-lookup and every specdec method)")
@@ -51,15 +53,25 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                    help=f"specdec backend(s) to run its methods on, comma-separated: {', '.join(_BACKENDS)} "
                         "(default auto: the engine's default; several: each method once per backend, e.g. plain@hf)")
     p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default="early-exit:4",
-                   help="draft for specdec draft and HF assisted: a model directory, or early-exit:N "
-                        "(the target's first N layers; default early-exit:4)")
+    p.add_argument("--draft", default="shipped",
+                   help="draft for specdec draft and HF assisted: shipped (default: the draft shipped for the "
+                        "target, early-exit:4 if none), a model or specdec draft directory, or early-exit:N "
+                        "(the target's first N layers, untrained)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt sample")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="start no new prompt after S seconds; the table covers the prompts done")
     p.set_defaults(func=_cmd_bench)
+
+
+def _k_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise SpecdecError(f"--k must be a positive integer or auto, got {text!r}") from None
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -74,7 +86,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     config = BenchConfig(
         target=args.target, draft=args.draft, prompts=Path(args.prompts),
         per_category=0 if args.all else args.per_category, categories=_csv(args.categories),
-        max_new_tokens=args.max_new_tokens, k=args.k, methods=_csv(args.methods), backends=backends,
+        max_new_tokens=args.max_new_tokens, k=_k_arg(args.k), methods=_csv(args.methods), backends=backends,
         out=Path(args.out), seed=args.seed, threads=args.threads, device=args.device,
         time_budget_s=args.time_budget,
     )

@@ -105,3 +105,26 @@ def test_a_method_that_raises_is_dropped_and_reported_not_fatal():
     records, failed = run_interleaved({BASELINE: ok, "broken": broken}, PROMPTS)
     assert {r.method for r in records} == {BASELINE} and len(records) == len(PROMPTS)
     assert "boom" in failed["broken"]
+
+
+def test_bench_runs_a_specdec_draft_directory_on_both_backends(tmp_path):
+    import torch
+
+    from specdec.bench import _on_backend, load_draft_for_bench
+    from specdec.drafts import SubsetHeadLM, build_from_target, save_draft
+    from specdec.fast import FastLlamaLM
+
+    target = LoadedModel(tiny_llama(seed=0, vocab_size=96, num_layers=2, hidden_size=48), None, "tiny")
+    save_draft(tmp_path / "d", build_from_target(target.lm, [0]), torch.arange(0, 96, 2), {"target": "tiny"},
+               dtype=torch.float32)
+    hf = load_draft_for_bench(str(tmp_path / "d"), target, "cpu")
+    fast = _on_backend(hf, "fast")
+    back = _on_backend(fast, "hf")
+    assert isinstance(hf.lm, SubsetHeadLM) and isinstance(fast.lm, FastLlamaLM) and isinstance(back.lm, SubsetHeadLM)
+    ids = torch.tensor([[5, 17, 33, 2]])
+    logits = [m.lm.forward(m.lm.new_cache(1), ids).logits for m in (hf, fast, back)]
+    finite = torch.isfinite(logits[0])
+    assert int(finite[0, 0].sum()) == 48
+    for other in logits[1:]:
+        assert torch.equal(finite, torch.isfinite(other))
+        torch.testing.assert_close(logits[0][finite], other[finite], rtol=1e-4, atol=1e-4)
