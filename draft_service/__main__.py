@@ -3,8 +3,9 @@
     python -m draft_service --host 0.0.0.0 --port 50061 --metrics-port 9461 [--draft DIR]
         [--max-sessions N] [--grace-period S] [--config FILE]
 
---draft DIR         draft model directory sharing the target's vocabulary (default: an INTERIM
-                    untrained early-exit copy of the embedded target, see draft_service/models.py)
+--draft DIR         draft model directory sharing the target's vocabulary, or a specdec draft
+                    directory (default: the draft shipped for the embedded target, see
+                    draft_service/models.py)
 --max-sessions N    draft KV caches kept in memory, least recently used evicted (default 256)
 --grace-period S    after SIGTERM: health NOT_SERVING, in-flight calls get S seconds (default 5)
 --config FILE       TOML with any of these settings, keys with underscores (max_sessions = 256);
@@ -32,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_flags(p)
     add_common_flags(p, port=50061, metrics_port=9461)
-    p.add_argument("--draft", default=None, help="draft model directory (default: interim early-exit draft)")
+    p.add_argument("--draft", default=None, help="draft model directory (default: the draft shipped for the embedded target)")
     p.add_argument("--max-sessions", type=int, default=256)
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--batch-window-ms", type=float, default=1.0)

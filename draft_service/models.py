@@ -2,9 +2,9 @@
 
 `default_draft` is the one place that decides what runs without --draft: the draft shipped in
 the package for the embedded target (specdec/assets/drafts/<target>, made by `specdec train
-draft`) when there is one; until it lands, an INTERIM untrained early-exit copy of the
-embedded target (its first 4 decoder layers plus its embeddings, final norm and output layer),
-which agrees with the target on roughly 4-30% of tokens.
+draft`); should the package lack it (a build without package data), an untrained early-exit
+copy of the embedded target (its first 4 decoder layers plus its embeddings, final norm and
+output layer), which agrees with the target on roughly 4-30% of tokens, with a warning.
 
 --draft DIR takes a transformers model directory sharing the target's vocabulary, or a specdec
 draft directory (draft.safetensors + draft_vocab.json), which borrows the embeddings of the
@@ -22,7 +22,7 @@ import torch
 from specdec.lm import CausalLM
 
 log = logging.getLogger("draft_service")
-INTERIM_EARLY_EXIT_LAYERS = 4
+FALLBACK_EARLY_EXIT_LAYERS = 4
 
 
 def default_draft(device: str = "cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
@@ -35,9 +35,9 @@ def default_draft(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Ca
     if shipped is not None:
         log.info("no --draft given: using the draft shipped for %s (%s)", target.lm.name, shipped)
         return load_specdec_draft(shipped, target.lm, target.lm.name)
-    log.warning("no --draft given: using the INTERIM draft early_exit_copy(%s, %d) (untrained; a trained default "
-                "draft is not shipped yet)", target.lm.name, INTERIM_EARLY_EXIT_LAYERS)
-    return early_exit_copy(target.lm, INTERIM_EARLY_EXIT_LAYERS)
+    log.warning("no --draft given and no shipped draft found: using the UNTRAINED draft early_exit_copy(%s, %d)",
+                target.lm.name, FALLBACK_EARLY_EXIT_LAYERS)
+    return early_exit_copy(target.lm, FALLBACK_EARLY_EXIT_LAYERS)
 
 
 def load_draft(path: Optional[str], device: str = "cpu", dtype: torch.dtype = torch.float32) -> CausalLM:

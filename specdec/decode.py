@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import torch
 
 from specdec.acceptance import greedy_accept, rejection_sample, tree_rejection_sample, typical_accept
+from specdec.costmodel import best_k
 from specdec.errors import InvalidRequest
 from specdec.lm import CausalLM
 from specdec.proposers.base import Proposer
@@ -57,8 +58,6 @@ class KSchedule:
     @classmethod
     def cost_aware(cls, verify_cost: dict[int, float], draft_cost: float, k_max: int = 8,
                    prior_alpha: float = 0.5) -> "KSchedule":
-        from specdec.costmodel import best_k
-
         curve = tuple(sorted(verify_cost.items()))
         first = best_k(prior_alpha, draft_cost, dict(curve), range(1, k_max + 1))
         return cls(k=first, k_max=k_max, verify_cost=curve, draft_cost=draft_cost, prior_alpha=prior_alpha)
@@ -68,8 +67,6 @@ class KSchedule:
         hits / trials: the row's drafted tokens accepted / judged so far (a judged token is one
         accepted or the first rejected of a block; those after it are never judged)."""
         if self.verify_cost is not None:
-            from specdec.costmodel import best_k
-
             alpha = (hits + 4 * self.prior_alpha) / (trials + 4)
             return best_k(alpha, self.draft_cost, dict(self.verify_cost), range(self.k_min, self.k_max + 1))
         if not self.adaptive or drafted == 0:

@@ -16,7 +16,7 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target-port", type=int, default=50062)
     p.add_argument("--redis-port", type=int, default=0, help="default: a free port")
     p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default=None, help="draft model directory (default: the interim early-exit draft)")
+    p.add_argument("--draft", default=None, help="draft model directory (default: the draft shipped for the embedded target)")
     p.add_argument("--pipeline", action="store_true", help="draft the next block while the target verifies")
     p.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoints (9451, 9461, 9462)")
     p.add_argument("--log-dir", default=None, help="write each service's log here (default: this terminal)")
