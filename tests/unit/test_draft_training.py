@@ -81,7 +81,7 @@ def test_draft_runs_alike_on_both_backends(tiny_target, tmp_path):
 
 
 def test_eval_report_measures_a_draft_per_category(tiny_target, tiny_draft):
-    from specdec.training.draft_eval import evaluate_draft, format_report
+    from specdec.training.draft_eval import agreement, evaluate_draft, format_report
 
     prompts = [("code", [5, 17, 33, 2]), ("chat", [9, 9, 40, 41]), ("chat", [60, 12, 7])]
     reports, costs = evaluate_draft(tiny_target, tiny_draft, prompts, k=3, max_new_tokens=12)
@@ -90,4 +90,10 @@ def test_eval_report_measures_a_draft_per_category(tiny_target, tiny_draft):
     assert all(r.identical and 0.0 <= r.alpha_greedy <= 1.0 and r.tau >= 1.0 for r in reports)
     assert costs["c"] > 0 and costs["v"][1] == 1.0 and set(costs["v"]) == {1, 2, 3, 4}
     text = format_report(reports, costs, 3, history=[[1000, 0.25, 3.0]])
+    # alpha is the per-token acceptance rate: a draft identical to the target is always accepted
+    answer = list(plain_generate(tiny_target, [[5, 17, 33, 2]], stop=StopConditions(max_new_tokens=12))[0].token_ids)
+    hits, accept, n = agreement(tiny_target, tiny_target, [5, 17, 33, 2], answer)
+    assert hits == n == 12 and abs(accept - 12) < 1e-3
+    hits, accept, n = agreement(tiny_target, tiny_draft, [5, 17, 33, 2], answer)
+    assert n == 12 and accept < 12
     assert "| chat | 2 |" in text and "measured, k auto" in text and "1000: 0.250" in text
