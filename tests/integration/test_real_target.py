@@ -51,3 +51,22 @@ def test_default_target_answers_a_chat_prompt(real):
     ids = format_prompt(real.tokenizer, "What is the capital of France?")
     out = plain_generate(real.lm, [ids], stop=StopConditions(max_new_tokens=24, eos_token_ids=real.lm.eos_token_ids))[0]
     assert "Paris" in real.tokenizer.decode(out.token_ids)
+
+
+def test_shipped_draft_is_the_default_and_lossless(prompts):
+    """`--method draft` with no options: the draft shipped for the embedded target, on the engine's
+    default backend, with k auto and k = 4, reproduces plain decoding token for token."""
+    from specdec.drafts import shipped_draft_path
+    from specdec.engine import Engine
+    from specdec.models import DEFAULT_TARGET
+
+    assert shipped_draft_path(DEFAULT_TARGET) is not None
+    engine = Engine()
+    stop = StopConditions(max_new_tokens=32)
+    want = engine.generate_ids(prompts, method="plain", stop=stop)
+    for k in ("auto", 4):
+        got = engine.generate_ids(prompts, method="draft", stop=stop, k=k)
+        for p, g, w in zip(prompts, got, want):
+            assert_greedy_equal(engine.target.lm, p, g.token_ids, w.token_ids)
+        assert sum(g.stats.accepted for g in got) > 0
+    assert engine.draft.path == str(shipped_draft_path(DEFAULT_TARGET))
