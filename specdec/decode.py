@@ -38,7 +38,9 @@ class KSchedule:
       [k_min, k_max] that maximizes E(alpha, k) / (k * draft_cost + v(k + 1)) for the row's
       running acceptance rate (Leviathan et al.'s speed-up formula, specdec.costmodel), starting
       from `prior_alpha`. On a CPU, whose verify cost jumps once a forward holds more than a few
-      tokens, this keeps k small unless the draft is very good.
+      tokens, this keeps k small unless the draft is very good. k = 0 (a plain step) is chosen
+      when drafting does not pay for itself; every `probe_every`-th step then drafts one token
+      anyway, so the estimate can recover when the text turns predictable.
     """
 
     k: int = 4
@@ -48,11 +50,13 @@ class KSchedule:
     verify_cost: Optional[tuple[tuple[int, float], ...]] = None  # ((m, v(m)), ...) of the target
     draft_cost: float = 0.0  # c: one drafted token / one target decode step
     prior_alpha: float = 0.5
+    probe_every: int = 8
 
     def __post_init__(self) -> None:
         if self.k < 1:
             raise InvalidRequest(f"k must be >= 1, got {self.k}")
-        if (self.adaptive or self.verify_cost) and not (1 <= self.k_min <= self.k <= self.k_max):
+        lowest = 0 if self.verify_cost else 1  # the cost-aware schedule may choose plain steps
+        if (self.adaptive or self.verify_cost) and not (lowest <= self.k_min <= self.k <= self.k_max):
             raise InvalidRequest(f"adaptive k needs 1 <= k_min <= k <= k_max, got {self.k_min}, {self.k}, {self.k_max}")
 
     @classmethod
@@ -60,15 +64,17 @@ class KSchedule:
                    prior_alpha: float = 0.5) -> "KSchedule":
         curve = tuple(sorted(verify_cost.items()))
         first = best_k(prior_alpha, draft_cost, dict(curve), range(1, k_max + 1))
-        return cls(k=first, k_max=k_max, verify_cost=curve, draft_cost=draft_cost, prior_alpha=prior_alpha)
+        return cls(k=first, k_min=0, k_max=k_max, verify_cost=curve, draft_cost=draft_cost, prior_alpha=prior_alpha)
 
-    def next(self, k: int, drafted: int, accepted: int, hits: int = 0, trials: int = 0) -> int:
+    def next(self, k: int, drafted: int, accepted: int, hits: int = 0, trials: int = 0, step: int = 0) -> int:
         """k for a row's next block, after one that drafted `drafted` and accepted `accepted`;
         hits / trials: the row's drafted tokens accepted / judged so far (a judged token is one
-        accepted or the first rejected of a block; those after it are never judged)."""
+        accepted or the first rejected of a block; those after it are never judged); step: the
+        row's target forwards so far."""
         if self.verify_cost is not None:
             alpha = (hits + 4 * self.prior_alpha) / (trials + 4)
-            return best_k(alpha, self.draft_cost, dict(self.verify_cost), range(self.k_min, self.k_max + 1))
+            choice = best_k(alpha, self.draft_cost, dict(self.verify_cost), range(self.k_min, self.k_max + 1))
+            return 1 if choice == 0 and step % self.probe_every == 0 else choice
         if not self.adaptive or drafted == 0:
             return k
         if accepted == drafted:
@@ -252,7 +258,7 @@ def speculative_generate(
             s.emitted += len(taken)
             hits[b] += len(path)
             trials[b] += len(path) + (1 if len(path) < n else 0)
-            row_k[b] = schedule.next(row_k[b], n, len(path), hits[b], trials[b])
+            row_k[b] = schedule.next(row_k[b], n, len(path), hits[b], trials[b], s.target_forwards)
         cache.keep_last(keep)
         # 5. observe.
         proposer.observe(verdicts)

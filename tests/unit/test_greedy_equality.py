@@ -65,10 +65,18 @@ def test_cost_aware_k_keeps_output_and_follows_the_acceptance_rate(tiny_target, 
     schedule = KSchedule.cost_aware(CPU_LIKE_COST, draft_cost=0.1)
     assert schedule.k == 1  # a middling draft on a CPU-like cost curve: one token per step
     assert schedule.next(1, 1, 1, hits=60, trials=60) > 2  # a draft that is always right earns a longer block
-    assert schedule.next(4, 4, 0, hits=0, trials=20) == 1
+    # a draft that is never right: plain steps (k = 0), with a one-token probe every 8th step
+    assert [schedule.next(4, 4, 0, hits=0, trials=20, step=t) for t in (3, 8, 9)] == [0, 1, 0]
     _check(tiny_target, DraftModelProposer(tiny_draft), PROMPTS, StopConditions(max_new_tokens=40), schedule)
     got = _check(tiny_target, DraftModelProposer(tiny_target), PROMPTS, StopConditions(max_new_tokens=40), schedule)
     assert min(g.stats.tau for g in got) > 2.5  # k grew with the (perfect) acceptance
+    # a draft that disagrees with the target on most tokens: it stops drafting, output unchanged
+    from specdec.models import perturbed_copy
+
+    bad = perturbed_copy(tiny_target, noise=3.0, seed=7)
+    got = _check(tiny_target, DraftModelProposer(bad), PROMPTS, StopConditions(max_new_tokens=40),
+                 KSchedule.cost_aware(CPU_LIKE_COST, draft_cost=0.3))
+    assert all(g.stats.drafted < (g.stats.target_forwards - 1) / 2 for g in got)
     flat = KSchedule.cost_aware({1: 1.0, 65: 1.0}, draft_cost=0.0)
     assert flat.k == flat.k_max  # free verification and free drafts: draft as far as allowed
 
