@@ -23,6 +23,10 @@ from specdec.lm import CausalLM
 
 log = logging.getLogger("draft_service")
 FALLBACK_EARLY_EXIT_LAYERS = 4
+# The service batches concurrent sessions' Propose calls by stacking their KV caches
+# (specdec.kv_stack), which works on transformers' caches: the draft runs through transformers
+# here, not specdec's fast CPU forward (whose cache has no stacking yet).
+SERVICE_BACKEND = "hf"
 
 
 def default_draft(device: str = "cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
@@ -34,7 +38,7 @@ def default_draft(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Ca
     shipped = shipped_draft_path(target.lm.name)
     if shipped is not None:
         log.info("no --draft given: using the draft shipped for %s (%s)", target.lm.name, shipped)
-        return load_specdec_draft(shipped, target.lm, target.lm.name)
+        return load_specdec_draft(shipped, target.lm, target.lm.name, backend=SERVICE_BACKEND)
     log.warning("no --draft given and no shipped draft found: using the UNTRAINED draft early_exit_copy(%s, %d)",
                 target.lm.name, FALLBACK_EARLY_EXIT_LAYERS)
     return early_exit_copy(target.lm, FALLBACK_EARLY_EXIT_LAYERS)
@@ -42,7 +46,7 @@ def default_draft(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Ca
 
 def load_draft(path: Optional[str], device: str = "cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
     """The draft on `device` at `dtype` (a specdec draft directory borrows the embedded target's
-    embeddings, loaded there too). The fast CPU forward is used where it applies."""
+    embeddings, loaded there too)."""
     if path is None:
         return default_draft(device, dtype)
     from specdec.drafts import is_draft_dir
@@ -51,5 +55,5 @@ def load_draft(path: Optional[str], device: str = "cpu", dtype: torch.dtype = to
 
     if is_draft_dir(Path(path)):
         target = load_model(device=device, dtype=dtype)
-        return load_specdec_draft(Path(path), target.lm, target.lm.name)
-    return load_model(path, device=device, dtype=dtype, backend="auto").lm
+        return load_specdec_draft(Path(path), target.lm, target.lm.name, backend=SERVICE_BACKEND)
+    return load_model(path, device=device, dtype=dtype, backend=SERVICE_BACKEND).lm

@@ -1,6 +1,7 @@
 """Through the services on the real embedded target (SmolLM2-135M-Instruct): a chat prompt sent
 as text (tokenized by the coordinator with the tokenizer the target serves) and a token-id
-prompt give exactly plain decoding's tokens and text."""
+prompt, decoded concurrently (their Propose calls batch in the draft service, with the draft it
+runs by default), give exactly plain decoding's tokens and text."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import asyncio
 import pytest
 
 from specdec.decode import plain_generate
-from specdec.models import early_exit_copy, format_prompt, load_model
+from specdec.models import format_prompt, load_model
 from specdec.types import StopConditions
 from tests.conftest import assert_greedy_equal
 from tests.services.stack import local_stack, run
@@ -27,7 +28,9 @@ def test_real_target_through_the_services_equals_plain_decoding(redis_url, real)
     question = "What is the capital of France?"
     chat_ids = format_prompt(real.tokenizer, question)
     ids = format_prompt(real.tokenizer, "Name three rivers.")
-    draft = early_exit_copy(real.lm, 4)
+    from draft_service.models import load_draft
+
+    draft = load_draft(None)  # what `python -m draft_service` runs by default: the shipped draft
 
     async def scenario():
         async with local_stack(redis_url, real.lm, draft, methods={}) as st:
@@ -44,3 +47,18 @@ def test_real_target_through_the_services_equals_plain_decoding(redis_url, real)
         assert_greedy_equal(real.lm, prompt, out.token_ids, want.token_ids)
     assert chat_out.text == real.tokenizer.decode(list(chat_out.token_ids), skip_special_tokens=True)
     assert "Paris" in chat_out.text
+
+
+def test_the_draft_services_default_draft_can_batch_sessions():
+    """The draft service batches concurrent Propose calls by stacking the sessions' KV caches
+    (specdec.kv_stack); its default draft must run on a backend whose caches stack (a failure
+    there would only show as the coordinator falling back to the target alone)."""
+    from draft_service.models import load_draft
+    from specdec.kv_stack import split_cache, stack_caches
+
+    draft = load_draft(None)
+    caches = [draft.new_cache(1), draft.new_cache(1)]
+    draft.prefill(caches[0], [[1, 2, 3]])
+    draft.prefill(caches[1], [[4, 5]])
+    rows = split_cache(stack_caches(caches, draft.new_cache), draft.new_cache)
+    assert [int(r.valid.sum()) for r in rows] == [3, 2]
