@@ -1,36 +1,29 @@
 """The fast backend on the real embedded target: same logits and same greedy outputs as the
 transformers path (3 dev prompts x 32 tokens)."""
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
 from specdec.decode import plain_generate, speculative_generate
 from specdec.fast import FastLlamaLM
 from specdec.lm import CausalLM
-from specdec.models import format_prompt, load_model
 from specdec.proposers import PromptLookupProposer
 from specdec.types import StopConditions
 from tests.conftest import assert_greedy_equal
+from tests.integration.conftest import dev_prompts
 
 pytestmark = pytest.mark.real_model
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "dev_prompts.jsonl"
 
 
 @pytest.fixture(scope="module")
-def models():
-    loaded = load_model()
+def models(real):
+    loaded = real
     return loaded, CausalLM(loaded.lm.model, "hf"), FastLlamaLM(loaded.lm.model, "fast")
 
 
 @pytest.fixture(scope="module")
-def prompts(models):
-    loaded = models[0]
-    rows = [json.loads(line) for line in SHARED.read_text().splitlines()]
-    picked = [next(r for r in rows if r["category"] == c) for c in ("code", "math", "chat")]
-    return [format_prompt(loaded.tokenizer, r["turns"][0])[-200:] for r in picked]
+def prompts(real):
+    return dev_prompts(real.tokenizer, ("code", "math", "chat"))
 
 
 def test_fast_logits_match_transformers_on_the_real_target(models, prompts):

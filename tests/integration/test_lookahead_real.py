@@ -2,32 +2,15 @@
 plain decoding on 3 dev prompts x 32 tokens, one at a time (defaults) and as a batch of 3
 (window n-grams only)."""
 
-import json
-from pathlib import Path
-
 import pytest
 
 from specdec.decode import plain_generate, speculative_generate
-from specdec.models import format_prompt, load_model
 from specdec.proposers.lookahead import LookaheadProposer
 from specdec.types import StopConditions
 from tests.conftest import assert_greedy_equal
 
 pytestmark = pytest.mark.real_model
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "dev_prompts.jsonl"
 MAX_NEW = 32
-
-
-@pytest.fixture(scope="module")
-def real():
-    return load_model()
-
-
-@pytest.fixture(scope="module")
-def prompts(real):
-    rows = [json.loads(line) for line in SHARED.read_text().splitlines()]
-    picked = [next(r for r in rows if r["category"] == c) for c in ("code", "summarization", "chat")]
-    return [format_prompt(real.tokenizer, r["turns"][0])[-200:] for r in picked]
 
 
 @pytest.fixture(scope="module")

@@ -1,40 +1,24 @@
 """Medusa on the real embedded target with the heads shipped in the package: greedy equality
 with plain decoding for a chain, a narrow, a wide and the automatic tree on 3 dev prompts."""
 
-import json
-from pathlib import Path
-
 import pytest
 
 from specdec.decode import plain_generate, speculative_generate
 from specdec.errors import IncompatibleModels
 from specdec.medusa_heads import load_heads, read_config, shipped_heads_dir
-from specdec.models import DEFAULT_TARGET, format_prompt, load_model, tiny_llama
+from specdec.models import DEFAULT_TARGET, tiny_llama
 from specdec.proposers.medusa import MedusaProposer
 from specdec.types import StopConditions
 from tests.conftest import assert_greedy_equal
 
 pytestmark = pytest.mark.real_model
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "dev_prompts.jsonl"
 TREES = {"chain": "chain", "narrow": [[0], [1], [0, 0], [0, 0, 0]],
          "wide": [[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]], "auto": None}
 
 
 @pytest.fixture(scope="module")
-def real():
-    return load_model()
-
-
-@pytest.fixture(scope="module")
 def heads(real):
     return load_heads(shipped_heads_dir(DEFAULT_TARGET), real.lm)
-
-
-@pytest.fixture(scope="module")
-def prompts(real):
-    rows = [json.loads(line) for line in SHARED.read_text().splitlines()]
-    picked = [next(r for r in rows if r["category"] == c) for c in ("code", "summarization", "chat")]
-    return [format_prompt(real.tokenizer, r["turns"][0])[-200:] for r in picked]
 
 
 @pytest.fixture(scope="module")

@@ -1,30 +1,14 @@
 """Greedy equality on the real embedded target (SmolLM2-135M-Instruct), 3 dev prompts x 32 tokens."""
 
-import json
-from pathlib import Path
-
 import pytest
 
 from specdec.decode import plain_generate, speculative_generate
-from specdec.models import early_exit_copy, format_prompt, load_model
+from specdec.models import early_exit_copy, format_prompt
 from specdec.proposers import DraftModelProposer, PromptLookupProposer
 from specdec.types import StopConditions
 from tests.conftest import assert_greedy_equal
 
 pytestmark = pytest.mark.real_model
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "dev_prompts.jsonl"
-
-
-@pytest.fixture(scope="module")
-def real():
-    return load_model()
-
-
-@pytest.fixture(scope="module")
-def prompts(real):
-    rows = [json.loads(line) for line in SHARED.read_text().splitlines()]
-    picked = [next(r for r in rows if r["category"] == c) for c in ("code", "summarization", "chat")]
-    return [format_prompt(real.tokenizer, r["turns"][0])[-200:] for r in picked]
 
 
 @pytest.fixture(scope="module")
