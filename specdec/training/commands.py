@@ -66,23 +66,17 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
 
 
 def add_train_data(tsub: argparse._SubParsersAction) -> None:
+    from specdec.training.selfdistill import add_arguments
+
     p = tsub.add_parser("data", help="generate self-distilled training data (the target's own answers); resumable")
-    p.add_argument("--target", default=None)
-    p.add_argument("--out", type=Path, default=Path("data/selfdistill"))
-    p.add_argument("--count", type=int, default=2000, help="training prompts (written from templates and the stdlib)")
-    p.add_argument("--time-budget", type=float, default=None, metavar="MIN")
-    p.add_argument("--backend", default="fast")
+    add_arguments(p)
     p.set_defaults(func=_cmd_train_data)
 
 
 def _cmd_train_data(args: argparse.Namespace) -> int:
-    from specdec.models import load_model
-    from specdec.training.selfdistill import generate
+    from specdec.training.selfdistill import run
 
-    target = load_model(args.target, backend=args.backend)
-    generate(args.out, target, count=args.count,
-             time_budget_s=None if args.time_budget is None else args.time_budget * 60)
-    return 0
+    return run(args)
 
 
 def add_eval(sub: argparse._SubParsersAction) -> None:

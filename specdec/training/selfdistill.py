@@ -7,7 +7,14 @@ so an interrupted run resumes where it stopped and the data can keep growing ove
 Two chunks in three are greedy (what greedy acceptance is measured on), one is sampled at
 temperature 0.7 for variety.
 
-    python -m specdec.training.selfdistill --out data/selfdistill --count 2000 --time-budget 60
+Prompt sets (`--set`): `base` (specdec.training.prompts: short prompts from templates and the
+stdlib), `articles` (the target writes news stories and encyclopedia entries) and `documents`
+(summarize / answer from those articles, translate gettext messages into English, factual
+questions: specdec.training.documents), which needs the articles first:
+
+    specdec train data --out data/selfdistill --count 2000 --time-budget 60
+    specdec train data --set articles --out data/articles --count 240
+    specdec train data --set documents --articles data/articles --out data/documents --count 960
 """
 
 from __future__ import annotations
@@ -21,8 +28,10 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from specdec.decode import plain_generate
+from specdec.errors import SpecdecError
 from specdec.models import LoadedModel, format_prompt, load_model
-from specdec.training.prompts import training_prompts
+from specdec.training.documents import all_foreign_sentences, article_prompts, article_specs, document_prompts
+from specdec.training.prompts import TrainingPrompt, training_prompts
 from specdec.types import SamplingParams, StopConditions
 
 MAX_PROMPT_TOKENS = 384  # longer prompts are cut from the left; prefill of long prompts dominated generation cost
@@ -48,11 +57,46 @@ def read_parts(out_dir: Path) -> Iterator[dict]:
                 yield json.loads(line)
 
 
-def generate(out_dir: Path, target: LoadedModel, *, seed: int = 0, count: int = 2000, chunk: int = 16,
-             max_new_tokens: int = 192, time_budget_s: Optional[float] = None) -> int:
-    """Generate the missing parts; returns the number of parts written by this call."""
+def written_articles(articles_dir: Path, tokenizer, seed: int) -> list[tuple[str, str]]:
+    """(article text, its question) for every article generated so far in `articles_dir`."""
+    rows = sorted(read_parts(articles_dir), key=lambda r: r["index"])
+    if not rows:
+        return []
+    specs = article_specs(seed, rows[-1]["index"] + 1)
+    return [(drop_repeated_paragraphs(tokenizer.decode(r["answer_ids"], skip_special_tokens=True)), specs[r["index"]][1])
+            for r in rows if r["answer_ids"]]
+
+
+def drop_repeated_paragraphs(text: str) -> str:
+    """A small target's text can loop; keep the first occurrence of each paragraph."""
+    paragraphs = [p.strip() for p in text.strip().split("\n\n")]
+    return "\n\n".join(dict.fromkeys(p for p in paragraphs if p))
+
+
+def prompt_set(name: str, target: LoadedModel, *, seed: int, count: int,
+               articles_dir: Optional[Path] = None) -> list[TrainingPrompt]:
+    if name == "base":
+        return training_prompts(seed, count)
+    if name == "articles":
+        return article_prompts(seed, count)
+    if name == "documents":
+        if articles_dir is None or not any(Path(articles_dir).glob("part-*.jsonl.gz")):
+            raise SpecdecError(f"--set documents needs generated articles (--articles DIR): none in {articles_dir}; "
+                               "make them with `specdec train data --set articles --out DIR` first")
+        return document_prompts(seed, written_articles(articles_dir, target.tokenizer, seed), count,
+                                all_foreign_sentences())
+    raise SpecdecError(f"unknown prompt set {name!r}; use one of {', '.join(PROMPT_SETS)}")
+
+
+PROMPT_SETS = ("base", "articles", "documents")
+
+
+def generate(out_dir: Path, target: LoadedModel, prompts: list[TrainingPrompt], *, seed: int = 0, chunk: int = 16,
+             max_new_tokens: int = 192, time_budget_s: Optional[float] = None, sample_every: int = 3) -> int:
+    """Generate the missing parts; returns the number of parts written by this call. Every
+    `sample_every`-th chunk is sampled at temperature 0.7, the others greedy (1: all sampled)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    prompts = training_prompts(seed, count)
+    count = len(prompts)
     t0, written = time.monotonic(), 0
     stop = StopConditions(max_new_tokens=max_new_tokens, eos_token_ids=target.lm.eos_token_ids)
     starts = [s for s in range(0, count, chunk) if not part_path(out_dir, s).exists()]
@@ -61,7 +105,7 @@ def generate(out_dir: Path, target: LoadedModel, *, seed: int = 0, count: int = 
             break
         batch = prompts[start : start + chunk]
         ids = [format_prompt(target.tokenizer, p.text)[-MAX_PROMPT_TOKENS:] for p in batch]
-        sampled = (start // chunk) % 3 == 2
+        sampled = (start // chunk) % sample_every == sample_every - 1
         sampling = SamplingParams(temperature=0.7, seed=seed * 100_003 + start) if sampled else SamplingParams()
         tb = time.monotonic()
         results = plain_generate(target.lm, ids, sampling=sampling, stop=stop)
@@ -75,22 +119,34 @@ def generate(out_dir: Path, target: LoadedModel, *, seed: int = 0, count: int = 
     return written
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", type=Path, default=Path("data/selfdistill"))
+    ap.add_argument("--set", dest="prompt_set", choices=PROMPT_SETS, default="base",
+                    help="prompt set (default base; documents needs --articles)")
+    ap.add_argument("--articles", type=Path, default=None, help="articles folder for --set documents")
     ap.add_argument("--target", default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--count", type=int, default=2000)
+    ap.add_argument("--count", type=int, default=2000, help="prompts in the set")
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=192)
-    ap.add_argument("--time-budget", type=float, default=None, help="minutes")
+    ap.add_argument("--time-budget", type=float, default=None, metavar="MIN")
     ap.add_argument("--backend", default="fast", help="model backend (see specdec.models.BACKENDS)")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     target = load_model(args.target, backend=args.backend)
-    generate(args.out, target, seed=args.seed, count=args.count, chunk=args.chunk,
-             max_new_tokens=args.max_new_tokens,
-             time_budget_s=None if args.time_budget is None else args.time_budget * 60)
+    prompts = prompt_set(args.prompt_set, target, seed=args.seed, count=args.count, articles_dir=args.articles)
+    # Articles are all sampled: greedy decoding of a small target loops on its first paragraphs.
+    generate(args.out, target, prompts, seed=args.seed, chunk=args.chunk, max_new_tokens=args.max_new_tokens,
+             time_budget_s=None if args.time_budget is None else args.time_budget * 60,
+             sample_every=1 if args.prompt_set == "articles" else 3)
     return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
