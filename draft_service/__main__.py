@@ -50,7 +50,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from draft_service.servicer import start_draft_server
 
     device, dtype = model_placement(args)
-    draft = load_draft(args.draft, device=device, dtype=dtype)
+    draft = load_draft(args.draft, device=device, dtype=dtype, backend=args.backend)
     settings = DraftSettings(max_sessions=args.max_sessions, max_batch=args.max_batch,
                              batch_window_ms=args.batch_window_ms, max_k=args.max_k,
                              artificial_delay_ms=args.artificial_delay_ms)

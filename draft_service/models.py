@@ -23,13 +23,9 @@ from specdec.lm import CausalLM
 
 log = logging.getLogger("draft_service")
 FALLBACK_EARLY_EXIT_LAYERS = 4
-# The service batches concurrent sessions' Propose calls by stacking their KV caches
-# (specdec.kv_stack), which works on transformers' caches: the draft runs through transformers
-# here, not specdec's fast CPU forward (whose cache has no stacking yet).
-SERVICE_BACKEND = "hf"
 
 
-def default_draft(device: str = "cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
+def default_draft(device: str = "cpu", dtype: torch.dtype = torch.float32, backend: str = "auto") -> CausalLM:
     from specdec.drafts import load_draft as load_specdec_draft
     from specdec.drafts import shipped_draft_path
     from specdec.models import early_exit_copy, load_model
@@ -38,22 +34,23 @@ def default_draft(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Ca
     shipped = shipped_draft_path(target.lm.name)
     if shipped is not None:
         log.info("no --draft given: using the draft shipped for %s (%s)", target.lm.name, shipped)
-        return load_specdec_draft(shipped, target.lm, target.lm.name, backend=SERVICE_BACKEND)
+        return load_specdec_draft(shipped, target.lm, target.lm.name, backend=backend)
     log.warning("no --draft given and no shipped draft found: using the UNTRAINED draft early_exit_copy(%s, %d)",
                 target.lm.name, FALLBACK_EARLY_EXIT_LAYERS)
     return early_exit_copy(target.lm, FALLBACK_EARLY_EXIT_LAYERS)
 
 
-def load_draft(path: Optional[str], device: str = "cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
-    """The draft on `device` at `dtype` (a specdec draft directory borrows the embedded target's
-    embeddings, loaded there too)."""
+def load_draft(path: Optional[str], device: str = "cpu", dtype: torch.dtype = torch.float32,
+               backend: str = "auto") -> CausalLM:
+    """The draft on `device` at `dtype` and `backend` (specdec.models.BACKENDS; a specdec draft
+    directory borrows the embedded target's embeddings, loaded there too)."""
     if path is None:
-        return default_draft(device, dtype)
+        return default_draft(device, dtype, backend)
     from specdec.drafts import is_draft_dir
     from specdec.drafts import load_draft as load_specdec_draft
     from specdec.models import load_model
 
     if is_draft_dir(Path(path)):
         target = load_model(device=device, dtype=dtype)
-        return load_specdec_draft(Path(path), target.lm, target.lm.name, backend=SERVICE_BACKEND)
-    return load_model(path, device=device, dtype=dtype, backend=SERVICE_BACKEND).lm
+        return load_specdec_draft(Path(path), target.lm, target.lm.name, backend=backend)
+    return load_model(path, device=device, dtype=dtype, backend=backend).lm

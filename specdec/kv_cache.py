@@ -65,6 +65,26 @@ class KVCache:
         self.valid = self.valid[rows]
         self._tidy()
 
+    def layer_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys, values), each [batch, kv_heads, slots, head_dim]: views of the storage
+        (none while the cache is empty)."""
+        return [(layer.keys, layer.values) for layer in self.hf.layers] if self.num_slots else []
+
+    def load_layer_kv(self, keys: list[torch.Tensor], values: list[torch.Tensor], valid: torch.Tensor) -> None:
+        """Give this empty cache these per-layer keys / values [batch, heads, slots, dim] and their
+        validity [batch, slots] (used to stack and split sessions' caches: specdec.kv_stack)."""
+        layers = self.hf.layers
+        if len(layers) != len(keys):  # a cache built without a config grows its layers on first use
+            for idx, (k, v) in enumerate(zip(keys, values)):
+                self.hf.update(k, v, idx)
+        else:
+            for layer, k, v in zip(layers, keys, values):
+                if getattr(layer, "is_sliding", False):
+                    raise NotImplementedError("loading sliding-window KV layers is not supported")
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v
+        self.valid = valid
+
     def compact(self) -> None:
         """Squeeze out every hole: each row's valid slots move to the front, in order."""
         lengths = self.lengths

@@ -50,7 +50,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from target_service.servicer import start_target_server
 
     device, dtype = model_placement(args)
-    loaded = load_model(args.target, device=device, dtype=dtype)
+    loaded = load_model(args.target, device=device, dtype=dtype, backend=args.backend)
     settings = TargetSettings(max_sessions=args.max_sessions, max_batch=args.max_batch,
                               batch_window_ms=args.batch_window_ms, max_k=args.max_k,
                               artificial_delay_ms=args.artificial_delay_ms)

@@ -108,6 +108,21 @@ class FastKVCache(KVCache):
         self.hf = _SlotStore(num_layers, batch_size, kv_heads, head_dim, capacity, dtype, torch.device(device))
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [batch, slots]
 
+    def layer_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        store, n = self.hf, self.hf.length
+        return [(store.keys[i, :, :, :n], store.values[i, :, :, :n]) for i in range(store.keys.shape[0])] if n else []
+
+    def load_layer_kv(self, keys: list[torch.Tensor], values: list[torch.Tensor], valid: torch.Tensor) -> None:
+        store, width = self.hf, valid.shape[1]
+        if store.length or len(keys) != store.keys.shape[0]:
+            raise ValueError(f"load_layer_kv needs an empty cache with {store.keys.shape[0]} layers")
+        store.reserve(width)
+        for i, (k, v) in enumerate(zip(keys, values)):
+            store.keys[i, :, :, :width] = k
+            store.values[i, :, :, :width] = v
+        store.length = width
+        self.valid = valid
+
     def compact(self) -> None:
         """Squeeze out every hole: each row's valid slots move to the front, in order."""
         store = self.hf

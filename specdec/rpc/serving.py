@@ -287,6 +287,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="auto (default: the first CUDA GPU if one is visible, else cpu), cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto (default: float32 on cpu, bfloat16 on a GPU), "
                         "float32, bfloat16, float16")
+    parser.add_argument("--backend", default="auto", choices=["auto", "hf", "fast"],
+                        help="how the model runs: hf (transformers, any model), fast (specdec's Llama forward, same "
+                             "outputs, faster on CPU), auto (default: fast for Llama-family float32 models on CPU)")
 
 
 def model_placement(args: argparse.Namespace) -> tuple[str, "torch.dtype"]:  # noqa: F821

@@ -5,6 +5,7 @@ and for many concurrent sessions."""
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import pytest
 
@@ -69,11 +70,22 @@ def test_auto_without_draft_replicas_falls_back_to_the_target(redis_url, long_ta
     assert out.stats["fallback_steps"] > 0
 
 
-def test_sixteen_concurrent_sessions_equal_their_solo_outputs(redis_url, long_target, weak_draft):
+def _on_backend(lm, backend):
+    if backend == "hf":
+        return lm
+    from specdec.fast import FastLlamaLM
+
+    return FastLlamaLM(copy.deepcopy(lm.model), name=lm.name)
+
+
+@pytest.mark.parametrize("backend", ["hf", "fast"])
+def test_sixteen_concurrent_sessions_equal_their_solo_outputs(redis_url, long_target, weak_draft, backend):
+    """Both services batch concurrent sessions by stacking their KV caches, on either backend."""
     prompts = [[(7 * i + j) % 90 + 2 for j in range(3 + i % 5)] for i in range(16)]
+    target, draft = _on_backend(long_target, backend), _on_backend(weak_draft, backend)
 
     async def scenario():
-        async with local_stack(redis_url, long_target, weak_draft) as st:
+        async with local_stack(redis_url, target, draft) as st:
             outs = await asyncio.gather(*(st.client.generate(st.client.request(token_ids=p, max_tokens=24))
                                           for p in prompts))
             batches = st.targets[0].metrics.batch_size.collect()[0].samples
@@ -82,6 +94,7 @@ def test_sixteen_concurrent_sessions_equal_their_solo_outputs(redis_url, long_ta
     outs, samples = run(scenario())
     for p, out in zip(prompts, outs):
         assert_greedy_equal(long_target, p, out.token_ids, _plain(long_target, p, 24).token_ids)
+    assert all(o.stats["fallback_steps"] == 0 for o in outs), "the draft service failed"
     total = next(s.value for s in samples if s.name.endswith("_sum"))
     count = next(s.value for s in samples if s.name.endswith("_count"))
     assert total / count > 1.5, "concurrent Verify calls were not batched"

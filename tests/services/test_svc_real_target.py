@@ -49,14 +49,16 @@ def test_real_target_through_the_services_equals_plain_decoding(redis_url, real)
     assert "Paris" in chat_out.text
 
 
-def test_the_draft_services_default_draft_can_batch_sessions():
+def test_the_draft_services_default_draft_runs_fast_and_can_batch_sessions():
     """The draft service batches concurrent Propose calls by stacking the sessions' KV caches
-    (specdec.kv_stack); its default draft must run on a backend whose caches stack (a failure
-    there would only show as the coordinator falling back to the target alone)."""
+    (specdec.kv_stack); its default draft runs on the fast CPU forward and its caches must stack
+    (a failure there would only show as the coordinator falling back to the target alone)."""
     from draft_service.models import load_draft
+    from specdec.fast import FastLlamaLM
     from specdec.kv_stack import split_cache, stack_caches
 
     draft = load_draft(None)
+    assert isinstance(draft, FastLlamaLM)
     caches = [draft.new_cache(1), draft.new_cache(1)]
     draft.prefill(caches[0], [[1, 2, 3]])
     draft.prefill(caches[1], [[4, 5]])

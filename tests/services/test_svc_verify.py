@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 
 from specdec.decode import plain_generate
@@ -17,18 +20,32 @@ def _cache(lm, tokens):
     return cache
 
 
-def test_stacking_and_splitting_keeps_every_rows_valid_slots(tiny_target):
-    caches = [_cache(tiny_target, t) for t in ([5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16])]
-    stacked = stack_caches(caches, tiny_target.new_cache)
-    assert stacked.batch_size == 3 and stacked.lengths.tolist() == [3, 1, 5]
-    for orig, back in zip(caches, split_cache(stacked, tiny_target.new_cache)):
+@pytest.fixture(params=["hf", "fast"])
+def target(request, tiny_target):
+    """The tiny target through transformers and through specdec's fast forward (whose cache
+    stores slots differently): services stack either kind."""
+    if request.param == "hf":
+        return tiny_target
+    from specdec.fast import FastLlamaLM
+
+    return FastLlamaLM(copy.deepcopy(tiny_target.model), name="fast")
+
+
+def test_stacking_and_splitting_keeps_every_rows_valid_slots(target):
+    caches = [_cache(target, t) for t in ([5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16])]
+    caches.append(target.new_cache(1))  # a session with nothing cached yet
+    stacked = stack_caches(caches, target.new_cache)
+    assert type(stacked) is type(caches[0])
+    assert stacked.batch_size == 4 and stacked.lengths.tolist() == [3, 1, 5, 0]
+    for orig, back in zip(caches, split_cache(stacked, target.new_cache)):
         assert back.lengths.tolist() == orig.lengths.tolist()
-        for a, b in zip(orig.hf.layers, back.hf.layers):
-            assert torch.equal(a.keys[:, :, orig.valid[0]], b.keys) and torch.equal(a.values[:, :, orig.valid[0]],
-                                                                                     b.values)
+        assert len(back.layer_kv()) == len(orig.layer_kv())
+        for (ka, va), (kb, vb) in zip(orig.layer_kv(), back.layer_kv()):
+            assert torch.equal(ka[:, :, orig.valid[0]], kb) and torch.equal(va[:, :, orig.valid[0]], vb)
 
 
-def test_batched_verify_step_equals_one_session_at_a_time_and_plain_decoding(tiny_target):
+def test_batched_verify_step_equals_one_session_at_a_time_and_plain_decoding(target):
+    tiny_target = target
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]]
     plain = [plain_generate(tiny_target, [p], stop=StopConditions(max_new_tokens=4))[0].token_ids for p in prompts]
     # Draft the plain continuation with one wrong token in the middle: accept 2, then recover.
