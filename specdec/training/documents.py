@@ -12,7 +12,9 @@ come from what it has, in two stages:
    translated messages of the system's gettext catalogs (/usr/share/locale/<lang>/LC_MESSAGES/*.mo),
    and short factual questions.
 
-Both are deterministic for a seed (generation resumes by prompt index). Never the evaluation set.
+Both are deterministic for a seed (generation resumes by prompt index); the documents are built
+over the articles present when their generation starts, so make all the articles first. Never
+the evaluation set.
 """
 
 from __future__ import annotations
