@@ -2,6 +2,7 @@
 
     nice -n 10 python bench/services.py [--prompts 4] [--max-new-tokens 48] [--k 4] [--delay-ms 50]
                                         [--target DIR] [--draft DIR] [--threads N] [--json OUT]
+                                        [--backend auto|hf|fast]
 
 Measures, greedy, on dev prompts (one per category, chat template, first turn):
 1. in-process plain_generate and speculative_generate (target + the draft service's default draft);
@@ -121,6 +122,8 @@ def main() -> int:
     ap.add_argument("--target", default=None, help="target directory (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--draft", default=None, help="draft directory (default: the draft service's default)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
+    ap.add_argument("--backend", default="auto", choices=["auto", "hf", "fast"],
+                    help="how every process runs its model (the services' --backend; default auto)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved repetitions; the median is reported")
     ap.add_argument("--json", default=None, help="also write every run's numbers here")
     ap.add_argument("--log-dir", default="runs/bench-services")
@@ -135,12 +138,12 @@ def main() -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.target)
-    draft = load_draft(args.draft)
+    loaded = load_model(args.target, backend=args.backend)
+    draft = load_draft(args.draft, backend=args.backend)
     prompts = load_prompts(loaded.tokenizer, args.prompts)
     n, k = args.max_new_tokens, args.k
     print(f"# {len(prompts)} prompts x {n} tokens, k={k}, {args.rounds} interleaved rounds, target {loaded.lm.name}, "
-          f"draft {draft.name}, draft delay {args.draft_delay_ms:g} ms", flush=True)
+          f"draft {draft.name}, draft delay {args.draft_delay_ms:g} ms, backend {args.backend}", flush=True)
 
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
@@ -148,14 +151,14 @@ def main() -> int:
     procs = Procs()
     ports = {name: free_port() for name in ("draft", "target", "target_slow", "c_plain", "c_pipe", "c_slow",
                                              "c_slow_pipe")}
-    threads = ["--threads", str(args.threads)] if args.threads else []
+    model_flags = (["--threads", str(args.threads)] if args.threads else []) + ["--backend", args.backend]
     runs: dict[str, list[dict]] = {}
     try:
         draft_argv = ["-m", "draft_service", "--host", "127.0.0.1", "--port", str(ports["draft"]), "--metrics-port",
-                      "-1"] + (["--draft", args.draft] if args.draft else []) + threads
+                      "-1"] + (["--draft", args.draft] if args.draft else []) + model_flags
         if args.draft_delay_ms:
             draft_argv += ["--artificial-delay-ms", str(args.draft_delay_ms)]
-        target_extra = (["--target", args.target] if args.target else []) + threads
+        target_extra = (["--target", args.target] if args.target else []) + model_flags
         health = {"draft": "specdec.rpc.v1.DraftService", "target": "specdec.rpc.v1.TargetService",
                   "target_slow": "specdec.rpc.v1.TargetService"}
         started = {
