@@ -45,17 +45,16 @@ def test_stacking_and_splitting_keeps_every_rows_valid_slots(target):
 
 
 def test_batched_verify_step_equals_one_session_at_a_time_and_plain_decoding(target):
-    tiny_target = target
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]]
-    plain = [plain_generate(tiny_target, [p], stop=StopConditions(max_new_tokens=4))[0].token_ids for p in prompts]
+    plain = [plain_generate(target, [p], stop=StopConditions(max_new_tokens=4))[0].token_ids for p in prompts]
     # Draft the plain continuation with one wrong token in the middle: accept 2, then recover.
     drafts = [(w[0], w[1], (w[2] + 1) % 96, w[3]) for w in plain]
 
     def step(batched):
-        caches = [_cache(tiny_target, p) for p in prompts]
+        caches = [_cache(target, p) for p in prompts]
         jobs = [VerifyJob(c, p[-1], Proposal(token_ids=d), SamplingParams(), make_generator(0))
                 for c, p, d in zip(caches, prompts, drafts)]
-        outs = verify_step(tiny_target, jobs) if batched else [verify_step(tiny_target, [j])[0] for j in jobs]
+        outs = verify_step(target, jobs) if batched else [verify_step(target, [j])[0] for j in jobs]
         return [o.verdict.emitted for o in outs], [c.lengths.tolist() for c in caches]
 
     batched, lens_b = step(True)
