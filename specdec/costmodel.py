@@ -95,6 +95,17 @@ def _timed_forward(lm, cache, ids: torch.Tensor, clock: Callable[[], float] = ti
     return dt
 
 
+def thread_cpu_time_applies(lm) -> bool:
+    """Whether the calling thread's CPU time measures `lm`'s work: torch runs one thread and the
+    model is on the CPU. Such a measure is disturbed far less than wall time by other processes
+    on a shared machine."""
+    return torch.get_num_threads() == 1 and lm.device.type == "cpu"
+
+
+def timer(cpu_time: bool) -> Callable[[], float]:
+    return time.thread_time if cpu_time else time.perf_counter
+
+
 def measure_forward_times(lm, ks: Iterable[int] = range(1, 65), context_len: int = 256, repeats: int = 5,
                           warmup: int = 2, seed: int = 0, progress: Optional[Callable[[int, float], None]] = None,
                           cpu_time: bool = False) -> tuple[dict[int, float], float]:
@@ -103,7 +114,7 @@ def measure_forward_times(lm, ks: Iterable[int] = range(1, 65), context_len: int
     against a warm cache of `context_len` random tokens. Returns ({k: seconds}, seconds for 1).
     cpu_time: time the calling thread's CPU time instead of wall time (with 1 torch thread, a
     measure that other processes on a shared machine disturb far less)."""
-    clock = time.thread_time if cpu_time else time.perf_counter
+    clock = timer(cpu_time)
     ks = sorted(set(int(k) for k in ks))
     if not ks or ks[0] < 1:
         raise ValueError("ks must be positive integers")

@@ -57,7 +57,8 @@ class KSchedule:
             raise InvalidRequest(f"k must be >= 1, got {self.k}")
         lowest = 0 if self.verify_cost else 1  # the cost-aware schedule may choose plain steps
         if (self.adaptive or self.verify_cost) and not (lowest <= self.k_min <= self.k <= self.k_max):
-            raise InvalidRequest(f"adaptive k needs 1 <= k_min <= k <= k_max, got {self.k_min}, {self.k}, {self.k_max}")
+            raise InvalidRequest(f"adaptive k needs {lowest} <= k_min <= k <= k_max, "
+                                 f"got {self.k_min}, {self.k}, {self.k_max}")
 
     @classmethod
     def cost_aware(cls, verify_cost: dict[int, float], draft_cost: float, k_max: int = 8,

@@ -145,7 +145,8 @@ def document_prompts(seed: int, articles: Sequence[tuple[str, str]], count: int,
         makers["summarization"] = lambda a: rng.choice(["Summarize: {t}", "Summarize the following article.\n\n{t}",
                                                         "{t}\n\nSummarize the article above in a few sentences."]
                                                        ).format(t=a[0])
-        makers["rag"] = lambda a: rng.choice(["{t}\n{q}", "{t}\n\nAnswer using the text above: {q}"]).format(t=a[0], q=a[1])
+        makers["rag"] = lambda a: rng.choice(["{t}\n{q}", "{t}\n\nAnswer using the text above: {q}"]
+                                             ).format(t=a[0], q=a[1])
     if langs:
         def translate(_):
             lang = rng.choices(langs, weights=[LANGUAGE_WEIGHTS[x] for x in langs])[0]

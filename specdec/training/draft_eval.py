@@ -2,8 +2,8 @@
 
 Reports alpha (greedy: how often the draft's argmax is the target's next token; at temperature
 0.7: the expected acceptance probability sum_x min(p(x), q(x)) of rejection sampling, Leviathan et
-al. 2023), both over the target's own greedy answers read by both models in one forward, tau at k, c (draft ms per token / target ms
-per token, measured here), the speedup predicted by E / (k*c + v(k+1)) next to the measured
+al. 2023), both over the target's own greedy answers read by both models in one forward), tau at
+k, c (draft ms per token / target ms per token, measured here), the speedup predicted by E / (k*c + v(k+1)) next to the measured
 one (in-process speculative vs plain, same prompts, same run, outputs compared), the measured
 speedup of `--k auto` (the cost-aware schedule the engine uses by default), and the draft's
 alpha-vs-training-tokens history when the draft directory recorded one.
@@ -15,7 +15,6 @@ disturbed by other processes on a shared machine), else wall time.
 from __future__ import annotations
 
 import json
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,11 +87,11 @@ def evaluate_draft(target: CausalLM, draft: CausalLM, prompts: Sequence[tuple[st
                    max_new_tokens: int = 64) -> tuple[list[CategoryReport], dict]:
     import torch
 
-    from specdec.costmodel import quick_draft_cost, quick_verify_cost
+    from specdec.costmodel import quick_draft_cost, quick_verify_cost, thread_cpu_time_applies, timer
     from specdec.decode import KSchedule
 
-    cpu_time = torch.get_num_threads() == 1 and target.device.type == "cpu"
-    clock = time.thread_time if cpu_time else time.perf_counter
+    cpu_time = thread_cpu_time_applies(target)
+    clock = timer(cpu_time)
     auto = KSchedule.cost_aware(quick_verify_cost(target), quick_draft_cost(draft, target))
     stop = StopConditions(max_new_tokens=max_new_tokens, eos_token_ids=target.eos_token_ids)
     by_cat: dict[str, list] = defaultdict(list)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from specdec.costmodel import thread_cpu_time_applies, timer
 from specdec.decode import plain_generate, speculative_generate
 from specdec.lm import CausalLM
 from specdec.medusa_heads import MedusaHeads
@@ -49,9 +49,7 @@ def evaluate(target: CausalLM, proposer, heads: MedusaHeads, prompts: list[tuple
     stop = StopConditions(max_new_tokens=max_new_tokens, eos_token_ids=target.eos_token_ids)
     per_cat: dict[str, dict] = defaultdict(lambda: {"plain_s": 0.0, "medusa_s": 0.0, "tokens": 0, "forwards": 0,
                                                     "hits": None, "counted": None, "identical": 0, "prompts": 0})
-    # The calling thread's CPU time when torch runs one thread on the CPU (far less disturbed by
-    # other processes on a shared machine), else wall time.
-    clock = time.thread_time if torch.get_num_threads() == 1 and target.device.type == "cpu" else time.perf_counter
+    clock = timer(thread_cpu_time_applies(target))  # thread CPU time on one CPU thread, else wall time
     for cat, ids in prompts:
         t0 = clock()
         plain = plain_generate(target, [ids], stop=stop)[0]

@@ -63,8 +63,8 @@ def written_articles(articles_dir: Path, tokenizer, seed: int) -> list[tuple[str
     if not rows:
         return []
     specs = article_specs(seed, rows[-1]["index"] + 1)
-    return [(drop_repeated_paragraphs(tokenizer.decode(r["answer_ids"], skip_special_tokens=True)), specs[r["index"]][1])
-            for r in rows if r["answer_ids"]]
+    return [(drop_repeated_paragraphs(tokenizer.decode(r["answer_ids"], skip_special_tokens=True)),
+             specs[r["index"]][1]) for r in rows if r["answer_ids"]]
 
 
 def drop_repeated_paragraphs(text: str) -> str:
