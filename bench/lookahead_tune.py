@@ -26,10 +26,10 @@ import torch
 from specdec.costmodel import verify_cost_at
 from specdec.decode import plain_generate, speculative_generate
 from specdec.models import format_prompt, load_model
+from specdec.prompt_sets import read_prompt_rows
 from specdec.proposers.lookahead import LookaheadConfig, LookaheadProposer
 from specdec.types import StopConditions
 
-DEV = Path(__file__).resolve().parents[2] / "shared" / "data" / "dev_prompts.jsonl"
 
 
 def min_forward_cost(lm, qs, context_len=200, repeats=7, seed=0, clock=time.perf_counter):
@@ -49,7 +49,7 @@ def min_forward_cost(lm, qs, context_len=200, repeats=7, seed=0, clock=time.perf
 
 
 def load_prompts(tokenizer, categories, per_category):
-    rows = [json.loads(line) for line in DEV.read_text().splitlines()]
+    rows = read_prompt_rows()
     out = []
     for cat in categories:
         picked = [r for r in rows if r["category"] == cat][:per_category]

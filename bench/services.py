@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SHARED = HERE.parents[1] / "shared" / "data" / "dev_prompts.jsonl"
 
 
 def load_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -41,7 +40,9 @@ def load_prompts(tokenizer, n: int) -> list[list[int]]:
 
     if tokenizer is None:  # a model without a tokenizer (a plumbing check on a tiny model)
         return [[(7 * i + j) % 50 + 2 for j in range(8 + i)] for i in range(n)]
-    rows = [json.loads(line) for line in SHARED.read_text().splitlines()]
+    from specdec.prompt_sets import read_prompt_rows
+
+    rows = read_prompt_rows()
     picked, seen = [], set()
     for r in rows:  # one per category first, then more
         if r["category"] not in seen:

@@ -35,9 +35,9 @@ import torch
 
 from specdec.errors import InvalidRequest, SpecdecError
 from specdec.models import LoadedModel, early_exit_copy, format_prompt, load_model, wrap_model
+from specdec.prompt_sets import DEV_PROMPTS, read_prompt_rows
 from specdec.types import StopConditions
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "dev_prompts.jsonl"
 BASELINE = "hf-generate"
 PLAIN = "plain"
 PEERS = ("hf-generate", "hf-assisted", "hf-prompt-lookup")
@@ -49,7 +49,7 @@ class BenchConfig:
     # "shipped": the draft shipped for the target (early-exit:4 if none); a model or specdec draft
     # directory; or early-exit:N (the target's first N layers, untrained)
     draft: str = "shipped"
-    prompts: Path = DEFAULT_PROMPTS  # jsonl rows with "id", "category", "turns" (first turn used)
+    prompts: Path = DEV_PROMPTS  # jsonl rows with "id", "category", "turns" (first turn used)
     per_category: int = 5  # prompts per category, a fixed seeded sample; 0 = all of them
     categories: tuple[str, ...] = ()  # () = every category in the file
     max_new_tokens: int = 128
@@ -144,10 +144,7 @@ def select_rows(rows: Sequence[dict], per_category: int, categories: Sequence[st
 
 
 def load_prompts(config: BenchConfig, tokenizer) -> list[BenchPrompt]:
-    path = Path(config.prompts)
-    if not path.is_file():
-        raise InvalidRequest(f"prompt file not found: {path}")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_prompt_rows(config.prompts)
     return [BenchPrompt(str(r["id"]), r["category"], tuple(format_prompt(tokenizer, r["turns"][0])))
             for r in select_rows(rows, config.per_category, config.categories, config.seed)]
 

@@ -33,12 +33,13 @@ def parse_ks(text: str) -> list[int]:
 
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
-    from specdec.bench import DEFAULT_PROMPTS
+    from specdec.prompt_sets import DEV_PROMPTS
 
     p = sub.add_parser("bench", help="benchmark every method against transformers' generate, assisted "
                                      "generation and prompt lookup; write a Markdown table and a plot")
     p.add_argument("--out", default="bench/results", help="output folder (default bench/results)")
-    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="jsonl prompt file (id, category, turns)")
+    p.add_argument("--prompts", default=str(DEV_PROMPTS),
+                   help="jsonl prompt file (id, category, turns); default: the dev set shipped in the package")
     p.add_argument("--per-category", type=int, default=5, help="prompts per category, seeded sample (default 5)")
     p.add_argument("--all", action="store_true", help="every prompt in the file (overrides --per-category)")
     p.add_argument("--categories", default="", help="comma-separated categories (default: all)")

@@ -49,7 +49,7 @@ class CategoryReport:
 
 
 def load_prompt_file(path: Path, tokenizer, per_category: int) -> list[tuple[str, list[int]]]:
-    """JSONL with `category` and `turns` (or `prompt`), as shared/data/dev_prompts.jsonl."""
+    """JSONL with `category` and `turns` (or `prompt`), as specdec/assets/prompts/dev_prompts.jsonl."""
     from specdec.models import format_prompt
 
     taken: dict[str, int] = defaultdict(int)

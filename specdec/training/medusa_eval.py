@@ -2,7 +2,7 @@
 continuation, and τ / tokens/s of `--method medusa` against plain decoding (interleaved per
 prompt, greedy, batch 1; outputs checked identical).
 
-    python -m specdec.training.medusa_eval --prompts ../shared/data/dev_prompts.jsonl --per-category 2
+    python -m specdec.training.medusa_eval --per-category 2
 
 Evaluation only: the prompts file is never used for training or for choosing the tree.
 """
@@ -21,6 +21,7 @@ from specdec.costmodel import thread_cpu_time_applies, timer
 from specdec.decode import plain_generate, speculative_generate
 from specdec.lm import CausalLM
 from specdec.medusa_heads import MedusaHeads
+from specdec.prompt_sets import DEV_PROMPTS, read_prompt_rows
 from specdec.training.medusa import head_labels
 from specdec.types import StopConditions
 
@@ -103,7 +104,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from specdec.proposers.medusa import MedusaProposer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", required=True, help="JSONL with {category, turns: [text, ...]} per line")
+    ap.add_argument("--prompts", default=str(DEV_PROMPTS),
+                    help="JSONL with {category, turns: [text, ...]} per line (default: the shipped dev set)")
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
     ap.add_argument("--tree", default=None, help="tree setting (default: auto)")
@@ -114,7 +116,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     target = load_model(args.target, backend=args.backend)
     heads = load_heads(args.heads or shipped_heads_dir(DEFAULT_TARGET), target.lm)
-    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    rows = read_prompt_rows(args.prompts)
     picked: dict[str, list] = defaultdict(list)
     for r in rows:
         if len(picked[r["category"]]) < args.per_category:

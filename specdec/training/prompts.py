@@ -1,6 +1,6 @@
 """Training prompts written from what this machine has: templates over topic lists, and the
 Python standard library's own source and docstrings. Never the evaluation set
-(shared/data/dev_prompts.jsonl): a draft or heads trained on it would flatter every figure.
+(specdec/assets/prompts/dev_prompts.jsonl): a draft or heads trained on it would flatter every figure.
 
 `training_prompts(seed)` is deterministic: the same seed gives the same prompts in the same
 order, so generation can resume by prompt index.
