@@ -43,7 +43,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--per-category", type=int, default=5, help="prompts per category, seeded sample (default 5)")
     p.add_argument("--all", action="store_true", help="every prompt in the file (overrides --per-category)")
     p.add_argument("--categories", default="", help="comma-separated categories (default: all)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     p.add_argument("--k", default="auto",
                    help="tokens drafted per step, or auto (default: specdec's cost-aware schedule; HF assisted "
                         "starts at 4 and adapts)")
@@ -104,15 +104,40 @@ def add_cost_curve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ks", default="1-16,20,24,32,48,64", help="block sizes, e.g. 1-64 (default 1-16,20,24,32,48,64)")
     p.add_argument("--context", type=int, default=256, help="tokens already in the KV cache (default 256)")
     p.add_argument("--repeats", type=int, default=5, help="timed forwards per block size (median; default 5)")
-    p.add_argument("--backend", default="auto", choices=list(_BACKENDS))
+    p.add_argument("--backend", default="auto", choices=list(_BACKENDS), help="how the target runs")
     p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--cpu-time", action="store_true",
                    help="time CPU time of the calling thread instead of wall time (use with --threads 1 on a "
                         "shared machine)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write {k: v(k)} here")
+    p.add_argument("--refresh", action="store_true",
+                   help="instead of the full curve, measure again the figures that `specdec generate` keeps in the "
+                        "cache folder for this machine, target, backend and thread count (v(k) for --k auto and "
+                        "--tree auto; the shipped draft's cost c) and replace them")
     p.set_defaults(func=_cmd_cost_curve)
+
+
+def _refresh_costs(lm, args: argparse.Namespace) -> int:
+    import torch
+
+    from specdec.costmodel import format_curve
+    from specdec.engine import Engine, EngineConfig, default_cost_store
+    from specdec.models import LoadedModel
+
+    config = EngineConfig(target=args.target, backend=args.backend)
+    costs = default_cost_store(config, refresh=True,
+                               notify=lambda line: print(f"specdec: {line}", file=sys.stderr, flush=True))
+    engine = Engine.from_models(LoadedModel(lm=lm, tokenizer=None, path=args.target or lm.name), config=config,
+                                costs=costs)
+    print(f"# {lm.name}, backend {args.backend}, {torch.get_num_threads()} threads; kept in {costs.directory}")
+    print(format_curve(costs.verify_cost(lm)))
+    try:
+        print(f"draft cost c = {costs.draft_cost(engine.require_draft().lm, lm):.3f} (shipped draft)")
+    except SpecdecError as exc:
+        print(f"no draft cost: {exc}")
+    return 0
 
 
 def _cmd_cost_curve(args: argparse.Namespace) -> int:
@@ -127,6 +152,8 @@ def _cmd_cost_curve(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.target, device=args.device, backend=args.backend).lm
+    if args.refresh:
+        return _refresh_costs(lm, args)
     curve: dict[int, float] = {}
 
     def record(k: int, v: float) -> None:  # v(k) against the 1-token forwards timed alongside k

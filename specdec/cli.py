@@ -14,18 +14,19 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("generate", help="decode one prompt and print the text and a stats line")
     p.add_argument("prompt", help="the user prompt (wrapped in the chat template unless --no-chat)")
-    p.add_argument("--method", default="plain", choices=list(METHODS))
+    p.add_argument("--method", default="plain", choices=list(METHODS), help="how tokens are proposed")
     p.add_argument("--k", default="auto",
                    help="tokens drafted per step: a number, or auto (default: for draft and prompt-lookup, chosen "
                         "after every step from this machine's measured verify and draft costs and the running "
                         "acceptance rate; 4 for the other methods)")
     p.add_argument("--adaptive-k", action="store_true", help="grow k on full acceptance, shrink on early rejection")
     p.add_argument("--k-max", type=int, default=16, help="upper bound for --adaptive-k")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy, exact")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                   "whose probability reaches P (1 = all)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (0 = all)")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling; none = a fresh random seed")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many generated tokens")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default=None, help="draft for --method draft: a model directory sharing the target's vocabulary, or a "
@@ -52,7 +53,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from specdec.decode import KSchedule
-    from specdec.engine import Engine, EngineConfig
+    from specdec.engine import Engine, EngineConfig, default_cost_store
     from specdec.types import SamplingParams, StopConditions, TypicalAcceptance
 
     # Validate everything cheap before loading models.
@@ -74,17 +75,31 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise SpecdecError("the prompt is empty")
     lookahead = _lookahead_config(args)
-    engine = Engine(EngineConfig(target=args.target, draft=args.draft if args.method == "draft" else None,
-                                 lookahead=lookahead,
-                                 backend=args.backend, medusa_heads=args.heads, medusa_tree=args.tree))
-    out = engine.complete(args.prompt, method=args.method, sampling=sampling, stop=stop, k=k, chat=not args.no_chat)
+    _quiet_model_loading()
+    config = EngineConfig(target=args.target, draft=args.draft if args.method == "draft" else None, lookahead=lookahead,
+                          backend=args.backend, medusa_heads=args.heads, medusa_tree=args.tree)
+    engine = Engine(config, costs=default_cost_store(config, notify=_say))
+    out = engine.complete(args.prompt, method=args.method, sampling=sampling, stop=stop, k=k, chat=not args.no_chat,
+                          on_text=lambda piece: print(piece, end="", flush=True))
     s = out.result.stats
-    print(out.text)
+    print()
     label = args.method + (", typical acceptance: LOSSY" if typical is not None and not sampling.greedy else "")
     print(f"[{label}] {s.emitted} tokens in {s.elapsed_s:.2f} s: {s.tokens_per_s:.1f} tok/s, "
           f"tau {s.tau:.2f}, alpha {s.alpha:.2f}, target forwards {s.target_forwards}, "
           f"finish {out.result.finish_reason}")
     return 0
+
+
+def _say(line: str) -> None:
+    """One line on stderr about what a slow step is doing (the answer goes to stdout)."""
+    print(f"specdec: {line}", file=sys.stderr, flush=True)
+
+
+def _quiet_model_loading() -> None:
+    """No progress bars while the models load: an ordinary run prints the answer and one stats line."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -110,7 +125,7 @@ def _add_train_medusa(tsub: argparse._SubParsersAction) -> None:
     p.add_argument("--time-budget", type=float, default=None, metavar="MIN", help="minutes of training (default 30)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
     p.add_argument("--batch", type=int, default=512, help="hidden states per step (default 512)")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (AdamW)")
     p.add_argument("--checkpoint-every", type=float, default=3.0, metavar="MIN", help="minutes between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue the run checkpointed in --out")
     p.add_argument("--pick-tree", type=int, default=0, metavar="N",
@@ -160,8 +175,33 @@ def _add_cost_curve(sub: argparse._SubParsersAction) -> None:
     add_cost_curve(sub)
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the text already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.nargs == 0 or action.default is argparse.SUPPRESS
+                or "default" in text.lower()):
+            return text  # positionals, flags (off unless given), or a default the text already explains
+        if action.default is None or action.default == []:
+            shown = "none"
+        elif isinstance(action.default, (list, tuple)):
+            shown = ", ".join(map(str, action.default))
+        else:
+            shown = "%(default)s"
+        return f"{text} (default: {shown})".lstrip()
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with HelpFormatter; subcommands' parsers are of this class too."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdec", description="lossless speculative decoding")
+    parser = ArgumentParser(prog="specdec", description="lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_bench(sub)

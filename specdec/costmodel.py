@@ -19,9 +19,14 @@ upper bound for ranking choices, not a promise.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import statistics
 import time
-import weakref
+from importlib import metadata
+from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Union
 
 import torch
@@ -165,43 +170,142 @@ def measure_verify_cost(lm, ks: Iterable[int] = range(1, 65), context_len: int =
     return curve
 
 
-# Per model: the verify-cost curve measured once in this process (for automatic tree / k choices).
-_MEASURED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 QUICK_SIZES = (1, 2, 3, 5, 9, 17)
 WIDE_SIZES = (33, 65)  # measured too when the curve is still flat at 17 (a GPU)
 
 
 def quick_verify_cost(lm) -> dict[int, float]:
-    """v(k) for a few sizes, measured once per model and process (~40 forwards against a short
-    context; interpolated between sizes). Thread CPU time when torch runs one thread (far less
-    disturbed by other processes), else wall time."""
-    if lm not in _MEASURED:
-        cpu_time = torch.get_num_threads() == 1 and lm.device.type == "cpu"
-        curve = measure_verify_cost(lm, ks=QUICK_SIZES, context_len=64, repeats=3, warmup=1, cpu_time=cpu_time)
-        if curve[QUICK_SIZES[-1]] < 1.5 and 64 + WIDE_SIZES[-1] <= lm.max_positions:
-            wide = measure_verify_cost(lm, ks=(1, *WIDE_SIZES), context_len=64, repeats=3, warmup=1, cpu_time=cpu_time)
-            curve.update({k: wide[k] for k in WIDE_SIZES})
-        # A forward over more tokens never costs less: keep the running maximum, so that timing
-        # noise at one size cannot make a larger tree look cheaper than a smaller one.
-        running = 0.0
-        for k in sorted(curve):
-            running = curve[k] = max(running, curve[k])
-        _MEASURED[lm] = curve
-    return _MEASURED[lm]
-
-
-_DRAFT_COST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+    """v(k) for a few sizes (~40 forwards against a short context; interpolated between sizes).
+    Thread CPU time when torch runs one thread (far less disturbed by other processes), else
+    wall time. Measures every call: `CostStore.verify_cost` keeps the result."""
+    cpu_time = thread_cpu_time_applies(lm)
+    curve = measure_verify_cost(lm, ks=QUICK_SIZES, context_len=64, repeats=3, warmup=1, cpu_time=cpu_time)
+    if curve[QUICK_SIZES[-1]] < 1.5 and 64 + WIDE_SIZES[-1] <= lm.max_positions:
+        wide = measure_verify_cost(lm, ks=(1, *WIDE_SIZES), context_len=64, repeats=3, warmup=1, cpu_time=cpu_time)
+        curve.update({k: wide[k] for k in WIDE_SIZES})
+    # A forward over more tokens never costs less: keep the running maximum, so that timing
+    # noise at one size cannot make a larger tree look cheaper than a smaller one.
+    running = 0.0
+    for k in sorted(curve):
+        running = curve[k] = max(running, curve[k])
+    return curve
 
 
 def quick_draft_cost(draft, target) -> float:
-    """c = the draft's time for a 1-token forward / the target's, measured once per draft and
-    process against short contexts (same clock rule as quick_verify_cost)."""
-    if draft not in _DRAFT_COST:
-        cpu_time = torch.get_num_threads() == 1 and target.device.type == "cpu"
-        t_draft = measure_forward_times(draft, ks=(1,), context_len=64, repeats=7, warmup=2, cpu_time=cpu_time)[1]
-        t_target = measure_forward_times(target, ks=(1,), context_len=64, repeats=7, warmup=2, cpu_time=cpu_time)[1]
-        _DRAFT_COST[draft] = t_draft / t_target
-    return _DRAFT_COST[draft]
+    """c = the draft's time for a 1-token forward / the target's, against short contexts (same
+    clock rule as quick_verify_cost). Measures every call: `CostStore.draft_cost` keeps it."""
+    cpu_time = thread_cpu_time_applies(target)
+    t_draft = measure_forward_times(draft, ks=(1,), context_len=64, repeats=7, warmup=2, cpu_time=cpu_time)[1]
+    t_target = measure_forward_times(target, ks=(1,), context_len=64, repeats=7, warmup=2, cpu_time=cpu_time)[1]
+    return t_draft / t_target
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def machine_identity(device: torch.device) -> dict:
+    """What a measured cost depends on besides the model: the processor (and accelerator), the
+    libraries that run the forward, and the threads torch uses."""
+    ident = {"cpu": _cpu_model(), "cpus": os.cpu_count(), "arch": platform.machine(),
+             "torch": torch.__version__, "transformers": _version("transformers"), "specdec": _version("specdec"),
+             "threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        ident["accelerator"] = torch.cuda.get_device_name(device)
+    return ident
+
+
+class CostStore:
+    """The cost figures that automatic choices need (v(k) for k auto and the Medusa tree, the
+    draft cost c), measured once per machine, model, backend and thread count, then reused.
+
+    Kept in memory for the process and, with `directory`, as one small JSON file per figure for
+    later processes (`specdec cost-curve --refresh` measures them again). A figure is reused
+    only when everything it depends on is unchanged: its file holds the full key (processor,
+    library versions, torch threads, each model's `cost_identity()`: implementation, dtype,
+    device, weights), and a file whose key differs is measured again and overwritten.
+    `notify(line)` is told before each measurement (a few seconds to a minute on a CPU).
+    """
+
+    def __init__(self, directory: Optional[Path] = None, refresh: bool = False,
+                 notify: Optional[Callable[[str], None]] = None):
+        self.directory = None if directory is None else Path(directory)
+        self.refresh = refresh
+        self.notify = notify
+        self._memory: dict[str, object] = {}
+
+    def verify_cost(self, lm) -> dict[int, float]:
+        key = {"figure": "verify_cost", "sizes": [QUICK_SIZES, WIDE_SIZES], "machine": machine_identity(lm.device),
+               "model": lm.cost_identity()}
+        got = self._get(key, f"the verify cost of {lm.name}", lambda: quick_verify_cost(lm))
+        return {int(k): float(v) for k, v in dict(got).items()}
+
+    def draft_cost(self, draft, target) -> float:
+        key = {"figure": "draft_cost", "machine": machine_identity(target.device), "draft": draft.cost_identity(),
+               "model": target.cost_identity()}
+        return float(self._get(key, f"the draft's cost against the target {target.name}",
+                               lambda: quick_draft_cost(draft, target)))
+
+    def path_for(self, key: dict) -> Optional[Path]:
+        if self.directory is None:
+            return None
+        return self.directory / f"{key['figure']}-{_key_digest(key)}.json"
+
+    def _get(self, key: dict, what: str, measure: Callable[[], object]):
+        digest = _key_digest(key)
+        if digest in self._memory:
+            return self._memory[digest]
+        path = self.path_for(key)
+        value = None if self.refresh or path is None else _read_figure(path, key)
+        if value is None:
+            if self.notify is not None:
+                where = f"; kept in {self.directory}" if path is not None else ""
+                self.notify(f"measuring {what} on this machine (a few seconds, once{where})")
+            value = measure()
+            if path is not None:
+                _write_figure(path, key, value)
+        self._memory[digest] = value
+        return value
+
+
+def _key_digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _read_figure(path: Path, key: dict):
+    """The figure stored at path under exactly this key, else None (missing, unreadable or stale)."""
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(stored, dict) or stored.get("key") != json.loads(json.dumps(key)):
+        return None
+    return stored.get("value")
+
+
+def _write_figure(path: Path, key: dict, value) -> None:
+    """Atomically (a crash never leaves half a file); a read-only cache folder only costs a re-measure."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "value": value,
+                                   "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass
 
 
 def format_curve(curve: Mapping[int, float], base_ms: Optional[float] = None) -> str:

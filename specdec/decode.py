@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -105,6 +105,17 @@ def _row_generators(sampling: SamplingParams, batch: int) -> list[torch.Generato
     return [make_generator(None if sampling.seed is None else sampling.seed + b) for b in range(batch)]
 
 
+OnEmit = Callable[[int, Sequence[int]], None]
+
+
+def _commit(checker: StopChecker, tokens: Sequence[int], row: int, on_emit: Optional[OnEmit]) -> list[int]:
+    """Append a row's emitted tokens up to its stop; tell on_emit what was taken."""
+    taken = checker.push(tokens)
+    if on_emit is not None and taken:
+        on_emit(row, taken)
+    return taken
+
+
 def _finish(checkers: Sequence[StopChecker], stats: Sequence[GenerationStats]) -> list[GenerationResult]:
     return [GenerationResult(tuple(c.generated), c.finish_reason or "length", s) for c, s in zip(checkers, stats)]
 
@@ -115,8 +126,10 @@ def plain_generate(
     sampling: SamplingParams = SamplingParams(),
     stop: StopConditions = StopConditions(),
     detokenize: Optional[Detokenize] = None,
+    on_emit: Optional[OnEmit] = None,
 ) -> list[GenerationResult]:
-    """One target forward per token: the baseline every other method must reproduce."""
+    """One target forward per token: the baseline every other method must reproduce.
+    on_emit(row, tokens) is called with each row's tokens as they are committed (streaming)."""
     validate_request(target, prompts, stop)
     t0 = time.perf_counter()
     batch = len(prompts)
@@ -130,7 +143,7 @@ def plain_generate(
         toks = []
         for i, b in enumerate(active):
             tok = next_token(logits[i], sampling, gens[b])
-            checkers[b].push([tok])
+            _commit(checkers[b], [tok], b, on_emit)
             stats[b].target_forwards += 1
             stats[b].emitted += 1
             toks.append(tok)
@@ -192,8 +205,10 @@ def speculative_generate(
     stop: StopConditions = StopConditions(),
     k: KSchedule | int = 4,
     detokenize: Optional[Detokenize] = None,
+    on_emit: Optional[OnEmit] = None,
 ) -> list[GenerationResult]:
-    """Speculative decoding: propose, score in one target forward, accept, commit / roll back, observe."""
+    """Speculative decoding: propose, score in one target forward, accept, commit / roll back, observe.
+    on_emit(row, tokens) is called with each row's tokens as they are committed (streaming)."""
     schedule = k if isinstance(k, KSchedule) else KSchedule(k=k)
     validate_request(target, prompts, stop)
     t0 = time.perf_counter()
@@ -210,7 +225,7 @@ def speculative_generate(
     hidden = list(first.hidden) if needs_hidden else None  # per row [hidden]: state that produced the last token
     committed = [list(p) for p in prompts]
     for b in range(batch):
-        committed[b] += checkers[b].push([next_token(first.logits[b], sampling, gens[b])])
+        committed[b] += _commit(checkers[b], [next_token(first.logits[b], sampling, gens[b])], b, on_emit)
     active = [b for b in range(batch) if checkers[b].finish_reason is None]
     if len(active) < batch:
         cache.select_rows(torch.tensor(active, dtype=torch.long))
@@ -250,7 +265,7 @@ def speculative_generate(
             m = len(prop.aux.token_ids) if prop.aux is not None else 0
             verdicts.append(Verdict(row_id=b, num_drafted=n, num_accepted=len(path), emitted=tuple(emitted),
                                     aux_logits=logits[i, n + 1 : n + 1 + m] if m else None))
-            taken = checkers[b].push(emitted)
+            taken = _commit(checkers[b], emitted, b, on_emit)
             committed[b] += taken
             s = stats[b]
             s.target_forwards += 1

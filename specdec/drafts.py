@@ -40,6 +40,9 @@ class SubsetHeadLM(CausalLM):
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self._head = model.get_output_embeddings().weight[self.token_ids].detach().clone()  # [subset, hidden]
 
+    def cost_identity(self) -> dict:
+        return {**super().cost_identity(), "head_rows": int(self.token_ids.numel())}
+
     @torch.inference_mode()
     def forward(self, cache: KVCache, input_ids, block_mask=None, depth=None, input_valid=None, logits_at=None,
                 want_hidden: bool = False) -> ForwardOutput:
@@ -84,6 +87,15 @@ def attach_target_embeddings(model: torch.nn.Module, target: CausalLM) -> None:
     model.tie_weights()
 
 
+def share_target_embeddings(model: torch.nn.Module, target: CausalLM) -> None:
+    """Make the draft use the target's input embeddings and output layer themselves (frozen at
+    inference; no copy of the 28M-parameter table)."""
+    model.get_input_embeddings().weight = target.model.get_input_embeddings().weight
+    if not getattr(model.config, "tie_word_embeddings", False):
+        model.get_output_embeddings().weight = target.model.get_output_embeddings().weight
+    model.tie_weights()
+
+
 def _own_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Everything but the embeddings / tied output layer (those are the target's)."""
     return {k: v.detach().contiguous() for k, v in model.state_dict().items()
@@ -110,6 +122,7 @@ def load_draft(path: Path, target: CausalLM, target_name: Optional[str] = None, 
     "auto" runs it on specdec's fast Llama forward where that applies (float32 on CPU), else through
     transformers (SubsetHeadLM); both score only the draft's token subset."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     path = Path(path)
     if not is_draft_dir(path):
@@ -121,12 +134,13 @@ def load_draft(path: Path, target: CausalLM, target_name: Optional[str] = None, 
     if target_name and info.get("target") and info["target"] != target_name:
         raise IncompatibleModels(f"draft {path} was trained for target {info['target']!r}, not {target_name!r}")
     config = AutoConfig.from_pretrained(path)
-    model = AutoModelForCausalLM.from_config(config, dtype=target.dtype).to(target.device)
+    with no_init_weights():  # every weight is loaded or shared below: random initialisation is wasted time
+        model = AutoModelForCausalLM.from_config(config, dtype=target.dtype).to(target.device)
     state = {k: v.to(target.dtype) for k, v in load_file(str(path / "draft.safetensors")).items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or any("embed_tokens" not in k and not k.startswith("lm_head") for k in missing):
         raise ModelLoadError(f"draft {path}: weights do not match its config (missing {missing}, unexpected {unexpected})")
-    attach_target_embeddings(model, target)
+    share_target_embeddings(model, target)
     token_ids = torch.tensor(info["token_ids"])
     from specdec.models import resolve_backend
 

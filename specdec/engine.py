@@ -7,14 +7,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from specdec.decode import KSchedule, plain_generate, speculative_generate
+from specdec.costmodel import CostStore
+from specdec.decode import KSchedule, OnEmit, plain_generate, speculative_generate
 from specdec.errors import InvalidRequest
-from specdec.models import LoadedModel, check_compatible, format_prompt, load_model
+from specdec.models import LoadedModel, check_compatible, format_prompt, load_model, user_cache_dir
 from specdec.proposers import make_proposer
 from specdec.proposers.medusa import medusa_for_engine
 from specdec.proposers.base import Proposer
 from specdec.proposers.lookahead import LookaheadConfig
-from specdec.stopping import cut_at_stop_string
+from specdec.stopping import TextStream, cut_at_stop_string
 from specdec.types import GenerationResult, SamplingParams, StopConditions
 
 
@@ -23,6 +24,8 @@ class EngineConfig:
     target: Optional[str] = None  # None: the embedded default (SmolLM2-135M-Instruct)
     draft: Optional[str] = None  # draft directory (None: the draft shipped for the target, loaded on first use)
     cache_dir: Optional[Path] = None  # where the embedded default is cached (None: ~/.cache/specdec)
+    # where measured costs (v(k), the draft cost c) are kept across runs (None: ~/.cache/specdec/costs)
+    cost_cache: Optional[Path] = None
     # How the target runs (models.BACKENDS): "auto" = specdec's fast Llama forward for float32 Llama-family
     # models on CPU (same outputs, ~1.5x faster there), transformers ("hf") for anything else.
     backend: str = "auto"
@@ -71,9 +74,19 @@ def _load_draft(spec: Optional[str], target: LoadedModel, config: EngineConfig) 
     return draft
 
 
+def default_cost_store(config: EngineConfig, refresh: bool = False,
+                       notify: Optional[Callable[[str], None]] = None) -> CostStore:
+    """The engine's costs, kept in config.cost_cache (default: the user's cache folder)."""
+    return CostStore(config.cost_cache or user_cache_dir() / "costs", refresh, notify)
+
+
 class Engine:
-    def __init__(self, config: EngineConfig = EngineConfig()):
+    """costs: where automatic choices (k auto, the Medusa tree) get this machine's measured
+    costs (default: kept in the user's cache folder, see default_cost_store)."""
+
+    def __init__(self, config: EngineConfig = EngineConfig(), costs: Optional[CostStore] = None):
         self.config = config
+        self.costs = costs or default_cost_store(config)
         self.target: LoadedModel = load_model(config.target, cache_dir=config.cache_dir, backend=config.backend)
         self.draft: Optional[LoadedModel] = None
         if config.draft is not None:
@@ -81,10 +94,11 @@ class Engine:
 
     @classmethod
     def from_models(cls, target: LoadedModel, draft: Optional[LoadedModel] = None,
-                    config: EngineConfig = EngineConfig()) -> "Engine":
+                    config: EngineConfig = EngineConfig(), costs: Optional[CostStore] = None) -> "Engine":
         """An engine over models already loaded (e.g. by the benchmark, on a chosen backend)."""
         engine = cls.__new__(cls)
         engine.config = config
+        engine.costs = costs or default_cost_store(config)
         engine.target = target
         engine.draft = draft
         if draft is not None:
@@ -99,19 +113,17 @@ class Engine:
 
     def k_schedule(self, method: str, k: "KSchedule | int | str") -> KSchedule | int:
         """k as given, or for "auto": for draft and prompt-lookup, the cost-aware schedule from
-        this machine's measured verify cost and draft cost (measured once per process); for the
-        others (whose k only bounds the depth of their own proposals) 4."""
+        this machine's measured verify cost and draft cost (self.costs); for the others (whose k
+        only bounds the depth of their own proposals) 4."""
         if k != "auto":
             if isinstance(k, str):
                 raise InvalidRequest(f"k must be a positive integer or 'auto', got {k!r}")
             return k
         if method not in ("draft", "prompt-lookup"):
             return 4
-        from specdec.costmodel import quick_draft_cost, quick_verify_cost
-
         lm = self.target.lm
-        c = quick_draft_cost(self.require_draft().lm, lm) if method == "draft" else 0.0
-        return KSchedule.cost_aware(quick_verify_cost(lm), c)
+        c = self.costs.draft_cost(self.require_draft().lm, lm) if method == "draft" else 0.0
+        return KSchedule.cost_aware(self.costs.verify_cost(lm), c)
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         if not prompt.strip():
@@ -125,8 +137,9 @@ class Engine:
 
     def generate_ids(self, prompts: Sequence[Sequence[int]], method: str = "plain",
                      sampling: SamplingParams = SamplingParams(), stop: StopConditions = StopConditions(),
-                     k: KSchedule | int | str = 4) -> list[GenerationResult]:
-        """k: a number, a KSchedule, or "auto" (see k_schedule)."""
+                     k: KSchedule | int | str = 4, on_emit: Optional[OnEmit] = None) -> list[GenerationResult]:
+        """k: a number, a KSchedule, or "auto" (see k_schedule); on_emit(row, tokens): each row's
+        tokens as they are committed."""
         if method not in METHODS:
             raise InvalidRequest(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         k = self.k_schedule(method, k)
@@ -135,13 +148,28 @@ class Engine:
         detok = self.decode if stop.stop_strings else None
         builder = METHODS[method]
         if builder is None:
-            return plain_generate(self.target.lm, prompts, sampling, stop, detokenize=detok)
-        return speculative_generate(self.target.lm, builder(self), prompts, sampling, stop, k=k, detokenize=detok)
+            return plain_generate(self.target.lm, prompts, sampling, stop, detokenize=detok, on_emit=on_emit)
+        return speculative_generate(self.target.lm, builder(self), prompts, sampling, stop, k=k, detokenize=detok,
+                                    on_emit=on_emit)
 
     def complete(self, prompt: str, method: str = "plain", sampling: SamplingParams = SamplingParams(),
                  stop: StopConditions = StopConditions(), k: KSchedule | int | str = 4,
-                 chat: bool = True) -> Completion:
+                 chat: bool = True, on_text: Optional[Callable[[str], None]] = None) -> Completion:
+        """on_text(piece): the answer's text as it is accepted, in pieces that together are
+        exactly Completion.text (an incomplete character or a possible stop string is held back)."""
         ids = self.encode(prompt, chat=chat)
-        result = self.generate_ids([ids], method, sampling, stop, k)[0]
+        k = self.k_schedule(method, k)  # any cost measurement happens before the first token
+        stream = TextStream(self.decode, stop.stop_strings) if on_text is not None else None
+
+        def emit(row: int, tokens: Sequence[int]) -> None:
+            piece = stream.push(tokens)
+            if piece:
+                on_text(piece)
+
+        result = self.generate_ids([ids], method, sampling, stop, k, on_emit=emit if stream else None)[0]
         text = cut_at_stop_string(self.decode(result.token_ids), stop.stop_strings)
+        if stream is not None:
+            rest = stream.finish()
+            if rest:
+                on_text(rest)
         return Completion(text=text, result=result, prompt_ids=tuple(ids))

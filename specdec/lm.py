@@ -8,6 +8,8 @@ or copied.
 
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -51,6 +53,18 @@ class CausalLM:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    def cost_identity(self) -> dict:
+        """What a forward's cost depends on, as JSON-ready values (the key under which measured
+        costs are kept, specdec.costmodel.CostStore): the implementation, dtype, device and a
+        fingerprint of the weights (names, shapes and a few values of every tensor)."""
+        digest = hashlib.sha256()
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                digest.update(f"{name}:{tuple(param.shape)}:".encode())
+                digest.update(param.detach().reshape(-1)[:64].float().cpu().numpy().tobytes())
+        return {"impl": type(self).__qualname__, "name": self.name, "dtype": str(self.dtype),
+                "device": str(self.device), "weights": digest.hexdigest()[:16]}
 
     def new_cache(self, batch_size: int) -> KVCache:
         return KVCache(batch_size, self.device, config=self.config)

@@ -35,9 +35,15 @@ class LoadedModel:
     path: str
 
 
-def default_cache_dir() -> Path:
+def user_cache_dir() -> Path:
+    """specdec's folder in the user's cache ($XDG_CACHE_HOME, else ~/.cache)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "specdec" / "models"
+    return Path(base) / "specdec"
+
+
+def default_cache_dir() -> Path:
+    """Where converted models are cached."""
+    return user_cache_dir() / "models"
 
 
 def embedded_gguf_path() -> Path:

@@ -58,3 +58,46 @@ def cut_at_stop_string(text: str, stop_strings: Sequence[str]) -> str:
     """The text before the earliest stop string (stop strings are not part of the answer)."""
     cut = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=len(text))
     return text[:cut]
+
+
+class TextStream:
+    """Text of a growing token sequence, handed out in pieces that never need taking back.
+
+    `push(tokens)` returns the new text that is final: it holds back an incomplete multi-byte
+    character (decoded as U+FFFD until its last byte arrives) and any tail that could still
+    grow into a stop string (stop strings are not part of the answer); `finish()` returns the
+    rest, cut at the first stop string. Decodes the whole sequence each time (detokenizers
+    merge across token boundaries), which is cheap next to a forward pass.
+    """
+
+    def __init__(self, detokenize: Detokenize, stop_strings: Sequence[str] = ()):
+        self.detokenize = detokenize
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        self.tokens: list[int] = []
+        self.sent = ""
+
+    def push(self, tokens: Iterable[int]) -> str:
+        self.tokens += [int(t) for t in tokens]
+        text = cut_at_stop_string(self.detokenize(self.tokens), self.stop_strings).rstrip("\ufffd")
+        final = text[: len(text) - _open_stop_prefix(text, self.stop_strings)]
+        return self._advance(final)
+
+    def finish(self) -> str:
+        return self._advance(cut_at_stop_string(self.detokenize(self.tokens), self.stop_strings))
+
+    def _advance(self, final: str) -> str:
+        if not final.startswith(self.sent) or len(final) <= len(self.sent):
+            return ""  # a detokenizer that rewrote earlier text: nothing new that is safe to add
+        delta, self.sent = final[len(self.sent):], final
+        return delta
+
+
+def _open_stop_prefix(text: str, stop_strings: Sequence[str]) -> int:
+    """Length of the longest tail of text that is a proper prefix of a stop string."""
+    longest = 0
+    for s in stop_strings:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest

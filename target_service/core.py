@@ -92,12 +92,14 @@ class StepResult:
 def _engine_view(target: CausalLM, tokenizer) -> SimpleNamespace:
     """What METHODS' builders read from an engine: the target and a default EngineConfig (no
     draft: drafts live in the draft service)."""
-    from specdec.engine import EngineConfig
+    from specdec.engine import EngineConfig, default_cost_store
 
     def require_draft():
         raise FailedPrecondition("the target service runs no draft model")
     loaded = SimpleNamespace(lm=target, tokenizer=tokenizer, path=target.name)
-    return SimpleNamespace(target=loaded, draft=None, require_draft=require_draft, config=EngineConfig())
+    config = EngineConfig()
+    return SimpleNamespace(target=loaded, draft=None, require_draft=require_draft, config=config,
+                           costs=default_cost_store(config))
 
 
 class TargetCore:

@@ -259,6 +259,10 @@ class FastLlamaLM(CausalLM):
         self._cos = torch.empty(0, self.head_dim)
         self._sin = torch.empty(0, self.head_dim)
 
+    def cost_identity(self) -> dict:
+        return {**super().cost_identity(), "weight_dtype": str(self.weight_dtype),
+                "head_rows": int(self.lm_head.shape[0])}
+
     def new_cache(self, batch_size: int) -> FastKVCache:
         return FastKVCache(batch_size, len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device)
 

@@ -13,8 +13,8 @@ distributions); typical acceptance is the opt-in lossy mode (`SamplingParams.typ
 
 Tree choice (`tree=`): "auto" (heads with recorded per-rank accuracies: the greedy tree whose
 size maximizes (1 + expected accepted tokens) / v(nodes + 1), with v the verify-cost curve
-measured on the target as it runs here, once per process: a few nodes on a CPU, wide trees on a
-GPU; heads without accuracies: their recorded default tree, else a chain), "chain", a number N
+measured on the target as it runs here, once per machine (costmodel.CostStore): a few nodes on
+a CPU, wide trees on a GPU; heads without accuracies: their recorded default tree, else a chain), "chain", a number N
 (the N-node tree that maximizes expected accepted length under the heads' measured per-rank
 accuracies), a JSON list of paths, or a .json file holding one. A row never drafts deeper
 than its ctx.k.
@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from specdec.costmodel import CostStore, verify_cost_at
 from specdec.errors import InvalidRequest, ModelLoadError
 from specdec.lm import CausalLM
 from specdec.medusa_heads import MedusaHeads, load_heads, shipped_heads_dir
@@ -39,15 +40,14 @@ from specdec.types import Proposal, ProposeContext, Verdict
 AUTO_MAX_NODES = 64  # the automatic tree's size is chosen in 1..AUTO_MAX_NODES
 
 
-def resolve_tree(spec, heads: MedusaHeads, target: Optional[CausalLM] = None) -> list[tuple[int, ...]]:
-    """A tree setting (see the module docstring) -> list of paths for these heads. "auto" measures
-    the verify cost of `target` when given."""
+def resolve_tree(spec, heads: MedusaHeads, target: Optional[CausalLM] = None,
+                 costs: Optional[CostStore] = None) -> list[tuple[int, ...]]:
+    """A tree setting (see the module docstring) -> list of paths for these heads. "auto" uses
+    the verify cost of `target` when given (from `costs`; default: measured in this process)."""
     cfg = heads.config
     if spec is None or spec == "auto":
         if cfg.accuracy and target is not None:
-            from specdec.costmodel import quick_verify_cost, verify_cost_at
-
-            curve = quick_verify_cost(target)
+            curve = (costs or CostStore()).verify_cost(target)
             return best_tree_for_cost(cfg.accuracy, lambda m: verify_cost_at(curve, m), AUTO_MAX_NODES)
         if cfg.default_tree:
             return [tuple(p) for p in cfg.default_tree]
@@ -88,7 +88,7 @@ class MedusaProposer:
     name = "medusa"
     needs_hidden = True
 
-    def __init__(self, target: CausalLM, heads: MedusaHeads, tree=None):
+    def __init__(self, target: CausalLM, heads: MedusaHeads, tree=None, costs: Optional[CostStore] = None):
         self.heads = heads.eval()
         weight = target.model.get_output_embeddings().weight.detach()  # [vocab, hidden]
         self.vocab_ids = heads.vocab_ids  # [subset] or None
@@ -98,7 +98,7 @@ class MedusaProposer:
         if self.bias is not None and self.vocab_ids is not None:
             self.bias = self.bias[self.vocab_ids]
         try:
-            self.tree: CompiledTree = compile_tree(resolve_tree(tree, heads, target))
+            self.tree: CompiledTree = compile_tree(resolve_tree(tree, heads, target, costs))
         except ValueError as exc:
             raise InvalidRequest(f"bad Medusa tree: {exc}") from None
         self._by_depth: dict[int, CompiledTree] = {}
@@ -161,5 +161,5 @@ def medusa_for_engine(engine) -> MedusaProposer:
     built = _ENGINE_PROPOSERS.setdefault(lm, {})
     if key not in built:
         heads = heads_for_target(lm.name, engine.config.medusa_heads, lm)
-        built[key] = MedusaProposer(lm, heads, engine.config.medusa_tree)
+        built[key] = MedusaProposer(lm, heads, engine.config.medusa_tree, engine.costs)
     return built[key]

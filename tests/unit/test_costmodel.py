@@ -1,5 +1,6 @@
 """The speculative-decoding arithmetic and the verify-cost measurement."""
 
+import json
 import math
 
 import pytest
@@ -89,3 +90,74 @@ def test_parse_ks_rejects_garbage_with_a_clear_error():
 def test_measure_verify_cost_in_cpu_time_gives_the_same_keys(tiny_target):
     curve = measure_verify_cost(tiny_target, ks=[1, 4], context_len=8, repeats=2, warmup=1, cpu_time=True)
     assert curve[1] == 1.0 and curve[4] > 0
+
+
+# --- CostStore: measured once per machine, model, backend and thread count ---------------------
+
+def _store(tmp_path, **kw):
+    measured: list[str] = []
+    return costmodel.CostStore(tmp_path / "costs", notify=measured.append, **kw), measured
+
+
+def test_cost_store_reads_a_later_process_figure_from_disk_without_measuring(tmp_path, tiny_target):
+    first, measured_first = _store(tmp_path)
+    curve = first.verify_cost(tiny_target)
+    assert len(measured_first) == 1 and len(list((tmp_path / "costs").glob("verify_cost-*.json"))) == 1
+    later, measured_later = _store(tmp_path)  # a new process: nothing in memory
+    assert later.verify_cost(tiny_target) == curve
+    assert measured_later == []
+
+
+def test_cost_store_keeps_the_draft_cost_apart_from_the_verify_cost(tmp_path, tiny_target, tiny_draft):
+    store, measured = _store(tmp_path)
+    c = store.draft_cost(tiny_draft, tiny_target)
+    store.verify_cost(tiny_target)
+    again, measured_again = _store(tmp_path)
+    assert again.draft_cost(tiny_draft, tiny_target) == c and c > 0
+    assert len(measured) == 2 and measured_again == []
+
+
+def test_cost_store_does_not_reuse_a_figure_from_another_cpu_or_library_version(tmp_path, tiny_target):
+    store, _ = _store(tmp_path)
+    store.verify_cost(tiny_target)
+    [path] = (tmp_path / "costs").glob("verify_cost-*.json")
+    for field, value in (("cpu", "Some Other CPU"), ("torch", "0.0.1")):
+        stored = json.loads(path.read_text())
+        stored["key"]["machine"][field] = value
+        stored["value"] = {"1": 1.0, "2": 99.0}
+        path.write_text(json.dumps(stored))
+        fresh, measured = _store(tmp_path)
+        assert fresh.verify_cost(tiny_target)[2] != 99.0
+        assert len(measured) == 1
+
+
+def test_cost_store_measures_each_model_and_thread_count_on_its_own(tmp_path, tiny_target, tiny_draft):
+    store, measured = _store(tmp_path)
+    store.verify_cost(tiny_target)
+    store.verify_cost(tiny_draft)  # other weights
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        store.verify_cost(tiny_target)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(measured) == 3
+    assert len(list((tmp_path / "costs").glob("verify_cost-*.json"))) == 3
+
+
+def test_cost_store_refresh_measures_again_and_replaces_the_figure(tmp_path, tiny_target):
+    store, _ = _store(tmp_path)
+    store.verify_cost(tiny_target)
+    refreshed, measured = _store(tmp_path, refresh=True)
+    refreshed.verify_cost(tiny_target)
+    assert len(measured) == 1
+    assert len(list((tmp_path / "costs").glob("verify_cost-*.json"))) == 1
+
+
+def test_cost_store_survives_a_corrupt_file(tmp_path, tiny_target):
+    store, _ = _store(tmp_path)
+    store.verify_cost(tiny_target)
+    [path] = (tmp_path / "costs").glob("verify_cost-*.json")
+    path.write_text("{not json")
+    fresh, measured = _store(tmp_path)
+    assert fresh.verify_cost(tiny_target)[1] == 1.0 and len(measured) == 1

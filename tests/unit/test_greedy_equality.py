@@ -88,3 +88,22 @@ def test_stats_count_forwards_and_tokens(tiny_target, tiny_draft):
     assert s.emitted == 20
     assert s.emitted == s.target_forwards + min(s.accepted, s.emitted - s.target_forwards)
     assert 0.0 <= s.alpha <= 1.0 and s.tau >= 1.0
+
+
+@pytest.mark.parametrize("name", ["plain", "draft_model", "prompt_lookup"])
+def test_tokens_are_streamed_per_row_in_order_as_they_are_committed(tiny_target, tiny_draft, name):
+    streamed: dict[int, list[list[int]]] = {b: [] for b in range(len(PROMPTS))}
+
+    def on_emit(row, tokens):
+        streamed[row].append(list(tokens))
+
+    stop = StopConditions(max_new_tokens=17)
+    if name == "plain":
+        got = plain_generate(tiny_target, PROMPTS, stop=stop, on_emit=on_emit)
+    else:
+        got = speculative_generate(tiny_target, _proposer(name, tiny_draft), PROMPTS, stop=stop, k=4, on_emit=on_emit)
+    for b, result in enumerate(got):
+        assert [t for block in streamed[b] for t in block] == list(result.token_ids)
+        assert all(streamed[b])  # no empty calls
+    if name == "draft_model":  # a step that accepts drafted tokens hands them over together
+        assert any(len(block) > 1 for blocks in streamed.values() for block in blocks)

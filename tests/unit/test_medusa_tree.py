@@ -78,12 +78,15 @@ def test_flat_cost_grows_the_tree_and_steep_cost_shrinks_it():
 
 
 def test_auto_tree_is_measured_on_the_target_once(tiny_target):
-    from specdec.costmodel import quick_verify_cost
+    from specdec.costmodel import CostStore
     from specdec.medusa_heads import new_heads
     from specdec.proposers.medusa import resolve_tree
 
     heads = new_heads(tiny_target, num_heads=3, target_name="tiny")
     heads.config = dataclasses.replace(heads.config, accuracy=((0.5, 0.2), (0.4,), (0.3,)))
-    paths = resolve_tree("auto", heads, tiny_target)
+    measured = []
+    costs = CostStore(notify=measured.append)
+    paths = resolve_tree("auto", heads, tiny_target, costs)
     assert 1 <= len(paths) <= len(greedy_tree(heads.config.accuracy, 64))
-    assert quick_verify_cost(tiny_target) is quick_verify_cost(tiny_target)  # measured once per process
+    assert resolve_tree("auto", heads, tiny_target, costs) == paths
+    assert len(measured) == 1  # the second choice reused the curve

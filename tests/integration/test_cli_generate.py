@@ -1,0 +1,50 @@
+"""`specdec generate` on the embedded target as a user runs it: the answer streamed to stdout
+then one stats line, no progress bars, and the cost measurement done once per machine."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from specdec.engine import Engine
+from specdec.models import default_cache_dir
+from specdec.types import StopConditions
+
+pytestmark = pytest.mark.real_model
+
+PROMPT = "What is the capital of France?"
+
+
+def _generate(cache_home, *args):
+    env = dict(os.environ, XDG_CACHE_HOME=str(cache_home))
+    done = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--max-new-tokens", "24", *args],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return done.stdout, done.stderr
+
+
+@pytest.fixture()
+def cache_home(tmp_path, real):
+    """A fresh user cache folder whose converted model is the one already made (no 30 s conversion)."""
+    (tmp_path / "specdec").mkdir()
+    (tmp_path / "specdec" / "models").symlink_to(default_cache_dir(), target_is_directory=True)
+    return tmp_path
+
+
+def test_generate_prints_the_answer_then_one_stats_line_and_no_progress_bars(cache_home, real):
+    stdout, stderr = _generate(cache_home)
+    *answer, stats = stdout.rstrip("\n").split("\n")
+    want = Engine.from_models(real).complete(PROMPT, stop=StopConditions(max_new_tokens=24)).text
+    assert "\n".join(answer) == want and "Paris" in want
+    assert stats.startswith("[plain] ") and "tok/s" in stats
+    assert stderr == "", stderr  # no "Loading weights" bar, no warnings
+
+
+def test_generate_measures_costs_once_per_machine_and_reuses_them(cache_home):
+    first_out, first_err = _generate(cache_home, "--method", "prompt-lookup")
+    assert "measuring the verify cost" in first_err
+    assert list((cache_home / "specdec" / "costs").glob("verify_cost-*.json"))
+    second_out, second_err = _generate(cache_home, "--method", "prompt-lookup")
+    assert second_err == "", second_err
+    assert second_out.split("\n[")[0] == first_out.split("\n[")[0]  # same answer either way
