@@ -33,8 +33,8 @@ def add_train_draft(tsub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", default=",".join(map(str, d.layers)),
                    help=f"target layers copied into the draft (default {','.join(map(str, d.layers))})")
     p.add_argument("--vocab", type=int, default=d.vocab, help=f"draft output vocabulary size (default {d.vocab})")
-    p.add_argument("--tokens-per-step", type=int, default=d.tokens_per_step)
-    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--tokens-per-step", type=int, default=d.tokens_per_step, help="answer tokens per optimizer step")
+    p.add_argument("--lr", type=float, default=d.lr, help="learning rate (AdamW)")
     p.add_argument("--backend", default="fast", help="target backend for the teacher (default fast)")
     p.set_defaults(func=_cmd_train_draft)
 
@@ -83,13 +83,13 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="evaluate proposers for a target")
     esub = p.add_subparsers(dest="eval_command", required=True)
     d = esub.add_parser("draft", help="alpha, tau, c and predicted vs measured speedup of a draft, per category")
-    d.add_argument("--target", default=None)
+    d.add_argument("--target", default=None, help="target model directory (none: the embedded default)")
     d.add_argument("--draft", default=None, help="draft directory (default: the shipped draft for the target)")
     d.add_argument("--prompts", type=Path, default=None,
                    help="JSONL with category + turns (default: held-out training prompts, seed 1)")
-    d.add_argument("--per-category", type=int, default=2)
-    d.add_argument("--k", type=int, default=4)
-    d.add_argument("--max-new-tokens", type=int, default=64)
+    d.add_argument("--per-category", type=int, default=2, help="prompts per category")
+    d.add_argument("--k", type=int, default=4, help="tokens drafted per step for the fixed-k columns")
+    d.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
     d.add_argument("--backend", default="auto", help="target backend (default auto, as `specdec generate`)")
     d.set_defaults(func=_cmd_eval_draft)
 

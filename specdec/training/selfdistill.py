@@ -120,16 +120,17 @@ def generate(out_dir: Path, target: LoadedModel, prompts: list[TrainingPrompt], 
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--out", type=Path, default=Path("data/selfdistill"))
+    ap.add_argument("--out", type=Path, default=Path("data/selfdistill"), help="output folder (parts are resumable)")
     ap.add_argument("--set", dest="prompt_set", choices=PROMPT_SETS, default="base",
                     help="prompt set (default base; documents needs --articles)")
     ap.add_argument("--articles", type=Path, default=None, help="articles folder for --set documents")
-    ap.add_argument("--target", default=None)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target", default=None, help="target model directory (none: the embedded default)")
+    ap.add_argument("--seed", type=int, default=0, help="prompt set and sampling seed")
     ap.add_argument("--count", type=int, default=2000, help="prompts in the set")
-    ap.add_argument("--chunk", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=192)
-    ap.add_argument("--time-budget", type=float, default=None, metavar="MIN")
+    ap.add_argument("--chunk", type=int, default=16, help="prompts generated together (one part file)")
+    ap.add_argument("--max-new-tokens", type=int, default=192, help="longest answer")
+    ap.add_argument("--time-budget", type=float, default=None, metavar="MIN",
+                    help="stop starting new parts after MIN minutes (none: run to --count)")
     ap.add_argument("--backend", default="fast", help="model backend (see specdec.models.BACKENDS)")
 
 
