@@ -1,0 +1,109 @@
+"""Faults found by probing the running services (issue 20): one bad request or one lost
+dependency must not take everyone down. Real gRPC servers on loopback, a real redis-server."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import grpc
+import pytest
+
+from specdec.models import tiny_llama
+from specdec.rpc import convert
+from specdec.rpc.clients import CoordinatorClient
+from specdec.rpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from target_service.core import TargetSettings
+from tests.services.stack import local_stack, run
+
+OK_PROMPT = [5, 6, 7, 8]
+SLOW = TargetSettings(artificial_delay_ms=10.0)
+
+BAD_SAMPLING = {
+    "temperature inf": (dict(temperature=math.inf), "temperature"),
+    "temperature nan": (dict(temperature=math.nan), "temperature"),
+    "temperature absurd": (dict(temperature=1e9), "temperature"),
+    "temperature negative": (dict(temperature=-1.0), "temperature"),
+    "temperature underflows": (dict(temperature=1e-300), "temperature"),
+    "top_p nan": (dict(temperature=1.0, top_p=math.nan), "top_p"),
+    "top_p above one": (dict(temperature=1.0, top_p=1.5), "top_p"),
+    "top_p negative": (dict(temperature=1.0, top_p=-0.1), "top_p"),
+    "top_k negative": (dict(temperature=1.0, top_k=-1), "top_k"),
+}
+
+
+async def _status(call):
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details()
+    except Exception as exc:  # noqa: BLE001 - our clients map status codes to error types
+        return getattr(exc, "code", None), str(exc)
+    return grpc.StatusCode.OK, ""
+
+
+def _with_sampling(req, **sampling):
+    req.sampling.CopyFrom(common_pb2.SamplingParams(**sampling))  # raw: our SamplingParams would refuse these
+    return req
+
+
+# --- 1. bad sampling values; per-request failures never open the draft's breaker ------------------
+
+def test_non_finite_or_absurd_sampling_is_invalid_argument_at_the_coordinator_draft_and_target(
+        redis_url, long_target, good_draft):
+    async def scenario():
+        async with local_stack(redis_url, long_target, good_draft) as st:
+            d = draft_pb2_grpc.DraftServiceStub(st.core.draft_pool.replicas[st.drafts[0].address].client.channel)
+            t = target_pb2_grpc.TargetServiceStub(st.core.target_pool.replicas[st.targets[0].address].client.channel)
+            sid = "session-bad-sampling"
+            pos = convert.position_to_pb(sid, OK_PROMPT, len(OK_PROMPT))
+            await t.Prefill(common_pb2.PrefillRequest(session_id=sid, token_ids=OK_PROMPT), timeout=10)
+            await d.Prefill(common_pb2.PrefillRequest(session_id=sid, token_ids=OK_PROMPT), timeout=10)
+            got = {}
+            for name, (sampling, _) in BAD_SAMPLING.items():
+                bad = common_pb2.SamplingParams(**sampling)
+                req = _with_sampling(CoordinatorClient.request(token_ids=OK_PROMPT, max_tokens=8), **sampling)
+                got[name] = {
+                    "coordinator": await _status(st.client.stub.Generate(req, timeout=30)),
+                    "draft Propose": await _status(d.Propose(draft_pb2.ProposeRequest(
+                        position=pos, k=2, sampling=bad), timeout=10)),
+                    "target Verify": await _status(t.Verify(target_pb2.VerifyRequest(
+                        position=pos, draft_token_ids=[3], sampling=bad), timeout=10)),
+                    "target Decode": await _status(t.Decode(target_pb2.DecodeRequest(
+                        position=pos, max_tokens=2, sampling=bad), timeout=10)),
+                }
+            live = st.core.draft_pool.live()
+            ok = await st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=12))
+            return got, live, ok
+
+    got, live, ok = run(scenario())
+    for name, (_, words) in BAD_SAMPLING.items():
+        for where, (code, details) in got[name].items():
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, f"{name} at {where}: {code} {details!r}"
+            assert words in details and "Error" not in details, f"{name} at {where}: {details!r}"
+    assert live, "a bad request took the draft out of the ring"
+    assert ok.stats["drafted"] > 0 and ok.stats["fallback_steps"] == 0
+
+
+def test_a_request_the_draft_refuses_does_not_take_the_draft_from_other_sessions(redis_url, long_target, caplog):
+    """A prompt longer than the draft's context is refused by the draft (INVALID_ARGUMENT): that
+    session continues on the target alone; every other session keeps drafting."""
+    import asyncio
+
+    short_draft = tiny_llama(seed=7, vocab_size=96, num_layers=1, hidden_size=32, max_positions=32,
+                             eos_token_id=None)
+    long_prompt = [(7 * i) % 90 + 2 for i in range(40)]
+
+    async def scenario():
+        async with local_stack(redis_url, long_target, short_draft, target_settings=SLOW) as st:
+            big = asyncio.create_task(st.client.generate(st.client.request(token_ids=long_prompt, max_tokens=60)))
+            while not any(s.generated for s in st.core.runs.values()):  # bounded by run()'s timeout
+                await asyncio.sleep(0.01)
+            small = await st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=20))
+            return await big, small, st.core.draft_pool.live()
+
+    with caplog.at_level(logging.WARNING, logger="coordinator"):
+        big, small, live = run(scenario())
+    assert big.stats["fallback_steps"] > 0 and len(big.token_ids) == 60
+    assert small.stats["fallback_steps"] == 0, "another session's refused request opened the draft's breaker"
+    assert live and not [r for r in caplog.records if "out of the ring" in r.getMessage()]
