@@ -15,7 +15,7 @@ import os
 import tempfile
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Optional, Sequence
 
 from specdec.errors import InvalidRequest
 from specdec.rpc.clients import DraftClient, ModelInfo, TargetClient
@@ -26,7 +26,7 @@ from specdec.stopping import StopChecker, cut_at_stop_string
 from specdec.types import SamplingParams, StopConditions
 from coordinator.routing import ReplicaPool
 from coordinator.run import DRAFT_METHODS, RunStats, SessionRun
-from coordinator.sessions import SessionRecord, SessionStore
+from coordinator.sessions import STORE_DOWN, SessionRecord, SessionStore
 
 log = logging.getLogger("coordinator")
 DRAFT_HEALTH = "specdec.rpc.v1.DraftService"
@@ -93,6 +93,9 @@ class Coordinator:
         self._tokenizer = None
         self._tokenizer_dir: Optional[tempfile.TemporaryDirectory] = None
         self._info_lock = asyncio.Lock()
+        self.store_ok = True  # the last answer of the store watcher
+        self.on_store_change: Optional[Callable[[bool], Awaitable[None]]] = None  # e.g. health SERVING / NOT_SERVING
+        self._store_watch: Optional[asyncio.Task] = None
 
     @staticmethod
     def pools(draft_addresses: Sequence[str], target_addresses: Sequence[str], settings: CoordinatorSettings,
@@ -107,6 +110,19 @@ class Coordinator:
     def start(self) -> None:
         self.draft_pool.start()
         self.target_pool.start()
+        self._store_watch = asyncio.get_running_loop().create_task(self._watch_store())
+
+    async def _watch_store(self) -> None:
+        """Ping Redis in the background (not per request) and report each change: without its
+        session store the coordinator can serve nothing, and its health must say so."""
+        while True:
+            ok = await self.store.ping()
+            if ok != self.store_ok:
+                self.store_ok = ok
+                (log.info if ok else log.warning)("session store %s", "reachable again" if ok else "unreachable")
+                if self.on_store_change is not None:
+                    await self.on_store_change(ok)
+            await asyncio.sleep(self.settings.probe_interval_s)
 
     # --- the target's model facts, fetched once ---------------------------------------------
     async def info(self) -> ModelInfo:
@@ -223,6 +239,8 @@ class Coordinator:
         """-> (the session's run, the generated-token offset the client starts from)."""
         if req.resume_from < 0:
             raise InvalidRequest(f"resume_from must be >= 0, got {req.resume_from}")
+        if not self.store_ok:
+            raise Unavailable(STORE_DOWN)
         session_id = check_session_id(req.session_id) if req.session_id else uuid.uuid4().hex
         await self.info()
         run = self.runs.get(session_id)
@@ -299,6 +317,8 @@ class Coordinator:
         return run, offset
 
     async def close(self) -> None:
+        if self._store_watch is not None:
+            self._store_watch.cancel()
         for run in list(self.runs.values()):
             if run.task is not None:
                 run.task.cancel()

@@ -74,5 +74,6 @@ async def start_coordinator_server(redis_url: str, draft_addresses: Sequence[str
         server, lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(core), s),
         [SERVICE_NAME], metrics)
     running.core = core
+    core.on_store_change = running.set_serving
     running.on_stop.append(core.close)
     return running

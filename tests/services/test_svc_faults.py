@@ -107,3 +107,51 @@ def test_a_request_the_draft_refuses_does_not_take_the_draft_from_other_sessions
     assert big.stats["fallback_steps"] > 0 and len(big.token_ids) == 60
     assert small.stats["fallback_steps"] == 0, "another session's refused request opened the draft's breaker"
     assert live and not [r for r in caplog.records if "out of the ring" in r.getMessage()]
+
+
+# --- 3. Redis lost and back: health follows it, clients get UNAVAILABLE with our message -----------
+
+async def _wait_health(address: str, serving: bool, timeout: float = 15.0) -> bool:
+    """Poll the coordinator's overall health until it is `serving` (bounded); -> whether it got there."""
+    import asyncio
+
+    from specdec.rpc.clients import ServiceClient
+
+    probe = ServiceClient(address)
+    try:
+        for _ in range(int(timeout / 0.1)):
+            if await probe.healthy() == serving:
+                return True
+            await asyncio.sleep(0.1)
+        return False
+    finally:
+        await probe.close()
+
+
+def test_redis_lost_turns_health_not_serving_and_requests_work_again_once_it_is_back(long_target, good_draft):
+    from specdec.rpc.launcher import RedisServer
+
+    redis = RedisServer().start()  # our own: this test kills it
+
+    async def scenario():
+        async with local_stack(redis.url, long_target, good_draft) as st:
+            before = await st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=8))
+            redis.kill()
+            went_down = await _wait_health(st.coord.address, serving=False)
+            failed = await _status(st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=8),
+                                                      timeout=20))
+            redis.start()  # same port, empty (no persistence)
+            came_back = await _wait_health(st.coord.address, serving=True)
+            after = await st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=8), timeout=20)
+            return before, went_down, failed, came_back, after
+
+    try:
+        before, went_down, failed, came_back, after = run(scenario())
+    finally:
+        redis.stop()
+    assert went_down, "the coordinator kept saying SERVING without its session store"
+    code, details = failed
+    assert code == grpc.StatusCode.UNAVAILABLE, failed
+    assert "session store" in details and "Error" not in details, details
+    assert came_back, "health did not return to SERVING once Redis was back"
+    assert after.token_ids == before.token_ids
