@@ -49,6 +49,18 @@ class CoordinatorSettings:
     max_active: int = 256  # concurrent runs; more are refused (RESOURCE_EXHAUSTED)
 
 
+def check_prompt_chars(chars: int, max_positions: int, longest_token_chars: int) -> None:
+    """Refuse a prompt that cannot fit the context before tokenizing it (a multi-megabyte prompt
+    takes seconds to tokenize). No token stands for more characters than the longest entry of the
+    vocabulary (byte-level BPE: one character per byte; a normalizer that shrinks text would break
+    this bound, none of ours does), so a prompt of more than max_positions x that many characters
+    holds more tokens than the context. The exact count is checked after tokenizing."""
+    limit = max_positions * max(longest_token_chars, 1)
+    if chars > limit:
+        raise InvalidRequest(f"the prompt has {chars} characters: more than the model's context of {max_positions} "
+                             f"tokens can hold (at most {limit} characters)")
+
+
 @dataclass(frozen=True)
 class Prompt:
     text: Optional[str] = None
@@ -91,6 +103,7 @@ class Coordinator:
         self.background: set[asyncio.Task] = set()  # fire-and-forget calls (cache releases)
         self._info: Optional[ModelInfo] = None
         self._tokenizer = None
+        self._longest_token = 1  # characters of the tokenizer's longest vocabulary entry
         self._tokenizer_dir: Optional[tempfile.TemporaryDirectory] = None
         self._info_lock = asyncio.Lock()
         self.store_ok = True  # the last answer of the store watcher
@@ -162,7 +175,9 @@ class Coordinator:
         for name, data in files.items():
             with open(os.path.join(self._tokenizer_dir.name, os.path.basename(name)), "wb") as fh:
                 fh.write(data)
-        return AutoTokenizer.from_pretrained(self._tokenizer_dir.name)
+        tok = AutoTokenizer.from_pretrained(self._tokenizer_dir.name)
+        self._longest_token = max((len(t) for t in tok.get_vocab()), default=1)
+        return tok
 
     def _need_tokenizer(self):
         if self._tokenizer is None:
@@ -174,29 +189,41 @@ class Coordinator:
             return ""
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    async def encode(self, prompt: Prompt) -> list[int]:
+        """Prompt -> token ids. Size is checked first; tokenizing runs in a worker thread (the
+        tokenizer releases the GIL), so a large prompt never holds up other sessions' streams."""
         given = [x is not None for x in (prompt.text, prompt.token_ids, prompt.chat)]
         if sum(given) != 1:
             raise InvalidRequest("give exactly one prompt: text, token_ids or chat messages")
         if prompt.token_ids is not None:
             if not prompt.token_ids:
                 raise InvalidRequest("the prompt is empty")
+            if len(prompt.token_ids) >= self._info.max_positions:  # before looking at a million ids
+                raise InvalidRequest(f"the prompt has {len(prompt.token_ids)} tokens: the model's context is "
+                                     f"{self._info.max_positions}")
             return check_token_ids(prompt.token_ids, self.vocab_size, "prompt token ids")
         if prompt.text is not None:
             if not prompt.text.strip():
                 raise InvalidRequest("the prompt is empty")
-            return list(self._need_tokenizer()(prompt.text, add_special_tokens=True)["input_ids"])
+            tok = self._need_tokenizer()
+            check_prompt_chars(len(prompt.text), self._info.max_positions, self._longest_token)
+            return await asyncio.to_thread(lambda: list(tok(prompt.text, add_special_tokens=True)["input_ids"]))
         if not prompt.chat or not any(c.strip() for _, c in prompt.chat):
             raise InvalidRequest("the prompt is empty")
         tok = self._need_tokenizer()
         for role, _ in prompt.chat:
             if role not in ("system", "user", "assistant"):
                 raise InvalidRequest(f"chat role must be system, user or assistant, got {role[:20]!r}")
-        ids = tok.apply_chat_template([{"role": r, "content": c} for r, c in prompt.chat],
-                                      add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        check_prompt_chars(sum(len(c) for _, c in prompt.chat), self._info.max_positions, self._longest_token)
+
+        def apply_template() -> list[int]:
+            ids = tok.apply_chat_template([{"role": r, "content": c} for r, c in prompt.chat],
+                                          add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return list(ids)
+
+        return await asyncio.to_thread(apply_template)
 
     # --- requests -------------------------------------------------------------------------
     def _methods(self, info: ModelInfo) -> tuple[str, ...]:
@@ -204,7 +231,7 @@ class Coordinator:
 
     async def _new_record(self, req: Request, session_id: str) -> SessionRecord:
         info = await self.info()
-        ids = self.encode(req.prompt)
+        ids = await self.encode(req.prompt)
         max_tokens = req.max_tokens or self.settings.default_max_tokens
         if max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")

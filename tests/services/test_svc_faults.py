@@ -14,7 +14,7 @@ from specdec.rpc import convert
 from specdec.rpc.clients import CoordinatorClient
 from specdec.rpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service.core import TargetSettings
-from tests.services.stack import local_stack, run
+from tests.services.stack import TEXT_VOCAB, local_stack, run, save_char_tokenizer
 
 OK_PROMPT = [5, 6, 7, 8]
 SLOW = TargetSettings(artificial_delay_ms=10.0)
@@ -155,3 +155,69 @@ def test_redis_lost_turns_health_not_serving_and_requests_work_again_once_it_is_
     assert "session store" in details and "Error" not in details, details
     assert came_back, "health did not return to SERVING once Redis was back"
     assert after.token_ids == before.token_ids
+
+
+# --- 2. one huge prompt must not stall everyone ------------------------------------------------------
+
+# A context as long as SmolLM2's tokenizer allows in characters (8192 tokens x 81 characters): the
+# largest prompt the coordinator must tokenize before it can tell whether it fits.
+LONG_CONTEXT = 131072
+
+
+@pytest.fixture(scope="module")
+def text_target(tmp_path_factory):
+    """A tiny target with a long context and a character tokenizer (the coordinator tokenizes text)."""
+    lm = tiny_llama(seed=0, vocab_size=TEXT_VOCAB, num_layers=2, hidden_size=48, eos_token_id=None,
+                    max_positions=LONG_CONTEXT)
+    return lm, save_char_tokenizer(tmp_path_factory.mktemp("char-tokenizer"))
+
+
+async def _latencies_around(st, start_other) -> tuple[list[float], object]:
+    """Back-to-back short text requests; after the third, start_other() starts another client's
+    call; they go on until it has finished and three more have passed (at most 300).
+    -> (the short requests' latencies, the other call's result)."""
+    import asyncio
+    import time
+
+    out, other, after = [], None, 0
+    for _ in range(300):
+        t0 = time.perf_counter()
+        await st.client.generate(st.client.request(text="hi there", max_tokens=2), timeout=60)
+        out.append(time.perf_counter() - t0)
+        if len(out) == 3 and start_other is not None:
+            other = asyncio.ensure_future(start_other())
+        after += other is not None and other.done()
+        if (other is None and len(out) >= 20) or after >= 3:
+            break
+    return out, (await other if other is not None else None)
+
+
+def test_a_huge_prompt_does_not_stall_other_sessions(redis_url, text_target):
+    lm, tokenizer_dir = text_target
+    wire_limit = "x" * ((4 << 20) - 4096)  # the largest text the public message size lets through
+    longest_token = 5  # "<unk>": the longest entry of the test tokenizer's vocabulary
+    size_limit = "ab " * (LONG_CONTEXT * longest_token // 3)  # just under what may fit the context
+
+    async def scenario():
+        async with local_stack(redis_url, lm) as st:
+            st.targets[0].core.tokenizer_dir = tokenizer_dir
+            big_client = CoordinatorClient(st.coord.address)
+            try:
+                quiet, _ = await _latencies_around(st, None)
+                got = {}
+                for name, text in (("wire limit", wire_limit), ("size limit", size_limit)):
+                    got[name] = await _latencies_around(st, lambda: _status(big_client.generate(
+                        big_client.request(text=text, max_tokens=4), timeout=60)))
+            finally:
+                await big_client.close()
+            return quiet, got
+
+    quiet, got = run(scenario())
+    allowed = 3 * max(quiet) + 0.5
+    print(f"\nshort request latency, quiet: max {max(quiet):.3f} s over {len(quiet)}")
+    for name, (lat, status) in got.items():
+        print(f"short request latency during the {name} prompt: max {max(lat):.3f} s over {len(lat)}; big: {status}")
+    assert got["wire limit"][1][0] == grpc.StatusCode.INVALID_ARGUMENT and "characters" in got["wire limit"][1][1]
+    assert got["size limit"][1][0] == grpc.StatusCode.INVALID_ARGUMENT and "context" in got["size limit"][1][1]
+    for name, (lat, _) in got.items():
+        assert max(lat) <= allowed, f"a {name} prompt stalled another session: {max(lat):.2f} s (quiet {max(quiet):.2f} s)"
