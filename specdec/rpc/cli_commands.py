@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 
 def add_up(sub: argparse._SubParsersAction) -> None:
@@ -41,23 +40,21 @@ def _cmd_up(args: argparse.Namespace) -> int:
     stack = start_stack(args.host, (args.port, args.draft_port, args.target_port), args.redis_port, args.draft,
                         args.target, args.pipeline, metrics=not args.no_metrics, timeout=args.timeout,
                         log_dir=args.log_dir)
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     try:
-        print(f"redis        {stack.redis.url}")
+        print(f"redis        {stack.redis.url}  (pid {stack.redis.proc.pid})")
         for svc in stack.services:
-            print(f"{svc.name:<12} {args.host}:{svc.port}")
-        print(f'ready: specdec client "Write a haiku about the sea." --address {args.host}:{args.port}   '
-              f"(Ctrl-C stops everything)", flush=True)
-        while True:
-            for svc in stack.services:
-                if svc.proc.poll() is not None:
-                    print(f"specdec up: {svc.name} exited with code {svc.proc.returncode}; stopping", file=sys.stderr)
-                    return 1
-            time.sleep(0.5)
+            print(f"{svc.name:<12} {args.host}:{svc.port}  (pid {svc.proc.pid})")
+        print(f'specdec up: ready. Try: specdec client "Write a haiku about the sea." --address {args.host}:{args.port}'
+              f"   (Ctrl-C stops everything)", flush=True)
+        # A child that dies is restarted (with back-off); everything stops only on Ctrl-C / SIGTERM.
+        stack.supervise(say)
     except KeyboardInterrupt:
-        print("\nspecdec up: stopping...", file=sys.stderr)
-        return 0
+        say("\nspecdec up: stopping...")
     finally:
         stack.stop()
+    say("specdec up: stopped")
+    return 0
 
 
 def add_client(sub: argparse._SubParsersAction) -> None:
