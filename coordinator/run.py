@@ -302,8 +302,13 @@ class SessionRun:
             await pool.wait_for_live(self.coord.settings.target_wait_s)
             rep = pool.pick(self.session_id)
             if rep is None:
-                raise Unavailable("no target replica is available")
+                raise Unavailable(self._target_gone())
         return rep
+
+    def _target_gone(self) -> str:
+        """What a client reads when the target stays away: what happened and how to continue."""
+        return (f"the target service is unavailable (waited {self.coord.settings.target_wait_s:.0f} s); "
+                f"session {self.session_id} keeps its {len(self.generated)} tokens: resume it with its id")
 
     async def _on_target(self, call):
         """Run call(client, committed, known) on the session's target replica, prefilling it when the
@@ -329,7 +334,7 @@ class SessionRun:
                 self.coord.target_pool.mark_failed(rep.address, str(exc))
                 self.target_addr = None
             if time.monotonic() > deadline:
-                raise Unavailable("the target service did not serve the session in time")
+                raise Unavailable(self._target_gone())
 
     async def _verify(self, block: DraftBlock):
         async def call(client: TargetClient, committed, known):

@@ -221,3 +221,34 @@ def test_a_huge_prompt_does_not_stall_other_sessions(redis_url, text_target):
     assert got["size limit"][1][0] == grpc.StatusCode.INVALID_ARGUMENT and "context" in got["size limit"][1][1]
     for name, (lat, _) in got.items():
         assert max(lat) <= allowed, f"a {name} prompt stalled another session: {max(lat):.2f} s (quiet {max(quiet):.2f} s)"
+
+
+# --- 4. a target that stays away: the stream ends with a clear message; the next request works ---------
+
+def test_a_target_that_stays_away_ends_the_stream_with_a_message_naming_the_session(redis_url, long_target,
+                                                                                    weak_draft):
+    from dataclasses import replace
+
+    from tests.services.stack import FAST
+
+    async def scenario():
+        async with local_stack(redis_url, long_target, weak_draft, target_settings=SLOW,
+                               settings=replace(FAST, target_wait_s=1.0)) as st:
+            port, got, error = st.targets[0].port, 0, None
+            try:
+                async for ch in st.client.generate_stream(st.client.request(token_ids=OK_PROMPT, max_tokens=200)):
+                    got += len(ch.token_ids)
+                    if got >= 10 and st.targets[0].port == port and not st.targets[0]._stopped:
+                        await st.targets[0].stop(0)  # killed, not back within target_wait_s
+            except Exception as exc:  # noqa: BLE001 - what the client reads is the point
+                error = (getattr(exc, "code", None), str(exc), ch.session_id)
+            await st.start_target_on(port)
+            nxt = await st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=8), timeout=30)
+            return error, nxt
+
+    error, nxt = run(scenario())
+    assert error is not None, "the stream did not end"
+    code, message, sid = error
+    assert code == grpc.StatusCode.UNAVAILABLE and "target service is unavailable" in message, error
+    assert sid in message and "resume" in message, message
+    assert len(nxt.token_ids) == 8
