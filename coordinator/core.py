@@ -21,7 +21,7 @@ from specdec.errors import InvalidRequest
 from specdec.rpc.clients import DraftClient, ModelInfo, TargetClient
 from specdec.rpc.convert import check_session_id, check_token_ids
 from specdec.rpc.metrics import ServiceMetrics
-from specdec.rpc.serving import NotFound, Overloaded, Unavailable
+from specdec.rpc.serving import FailedPrecondition, NotFound, Overloaded, Unavailable
 from specdec.stopping import StopChecker, cut_at_stop_string
 from specdec.types import SamplingParams, StopConditions
 from coordinator.routing import ReplicaPool
@@ -59,6 +59,19 @@ def check_prompt_chars(chars: int, max_positions: int, longest_token_chars: int)
     if chars > limit:
         raise InvalidRequest(f"the prompt has {chars} characters: more than the model's context of {max_positions} "
                              f"tokens can hold (at most {limit} characters)")
+
+
+def same_request(new: SessionRecord, stored: SessionRecord) -> bool:
+    """Whether a request naming an existing session asks for exactly what it holds: the same
+    prompt tokens and settings. Anything else would silently answer another question."""
+    return new.tokens == stored.tokens[:stored.prompt_len] and new.params == stored.params
+
+
+def text_after(full: str, before: str) -> str:
+    """The part of `full` after `before` (the text of the tokens a client already has). A character
+    cut in half at the end of `before` (shown as U+FFFD) is sent again whole."""
+    before = before.rstrip("\ufffd")
+    return full[len(os.path.commonprefix([full, before])):]
 
 
 @dataclass(frozen=True)
@@ -274,15 +287,22 @@ class Coordinator:
         if run is not None and run.task is not None and (run.task.done() or run.task.cancelling()):
             await asyncio.wait([run.task])  # a run being paused: let it finish writing, then continue from Redis
             run = self.runs.get(session_id)
+        stored = run.rec if run is not None else None
         if run is None:
             try:
-                rec = await self.store.load(session_id)
+                rec = stored = await self.store.load(session_id)
             except NotFound:
                 if req.resume_from or req.prompt == Prompt():  # resuming, or nothing to start from
                     raise
                 rec = await self._new_record(req, session_id)
                 if not await self.store.create(rec):  # lost a race with a concurrent create
-                    rec = await self.store.load(session_id)
+                    rec = stored = await self.store.load(session_id)
+        if stored is not None and req.prompt != Prompt():
+            # A prompt with an existing session's id: only an exact resume continues it.
+            if not same_request(await self._new_record(req, session_id), stored):
+                raise FailedPrecondition(f"session {session_id} exists with another prompt or settings: resume it "
+                                         f"with the same ones (or none), or use a new session id")
+        if run is None:
             run = self.runs.get(session_id)
             if run is None:
                 run = self._run_for(rec)
@@ -304,6 +324,10 @@ class Coordinator:
     def text(self, run: SessionRun, upto: Optional[int] = None) -> str:
         ids = run.generated if upto is None else run.generated[:upto]
         return cut_at_stop_string(self.detokenize(ids), run.stop.stop_strings)
+
+    def text_from(self, run: SessionRun, offset: int) -> str:
+        """The text that follows the client's first `offset` generated tokens (a unary resume)."""
+        return text_after(self.text(run), self.text(run, offset)) if offset else self.text(run)
 
     async def follow(self, run: SessionRun, offset: int) -> AsyncIterator[Update]:
         """A session's updates from the client's offset until it finishes.

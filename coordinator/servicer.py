@@ -47,7 +47,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def Generate(self, request, context):
         run, offset = await self.core.generate(request_from_pb(request))
         return coordinator_pb2.GenerateResponse(
-            session_id=run.session_id, text=self.core.text(run), token_ids=run.generated[offset:],
+            session_id=run.session_id, text=self.core.text_from(run, offset), token_ids=run.generated[offset:],
             finish_reason=run.checker.finish_reason or "", stats=stats_to_pb(run.stats),
             prompt_tokens=run.rec.prompt_len)
 

@@ -252,3 +252,53 @@ def test_a_target_that_stays_away_ends_the_stream_with_a_message_naming_the_sess
     assert code == grpc.StatusCode.UNAVAILABLE and "target service is unavailable" in message, error
     assert sid in message and "resume" in message, message
     assert len(nxt.token_ids) == 8
+
+
+# --- 5. resume returns exactly what follows position N, streaming or not ---------------------------------
+
+def test_a_unary_resume_returns_only_the_text_after_the_resume_point(redis_url, text_target):
+    from transformers import AutoTokenizer
+
+    lm, tokenizer_dir = text_target
+    sid, n = "resume-text-session-01", 12
+
+    async def scenario():
+        async with local_stack(redis_url, lm) as st:
+            st.targets[0].core.tokenizer_dir = tokenizer_dir
+            full = await st.client.generate(st.client.request(text="hello world", max_tokens=30, session_id=sid))
+            streamed = [ch async for ch in st.client.generate_stream(st.client.request(session_id=sid,
+                                                                                        resume_from=n))]
+            unary = await st.client.generate(st.client.request(session_id=sid, resume_from=n))
+            return full, streamed, unary
+
+    full, streamed, unary = run(scenario())
+    before = AutoTokenizer.from_pretrained(tokenizer_dir).decode(list(full.token_ids[:n]), skip_special_tokens=True)
+    assert full.text.startswith(before) and len(before) < len(full.text)
+    rest = full.text[len(before):]
+    assert "".join(ch.text for ch in streamed) == rest
+    assert unary.token_ids == full.token_ids[n:]
+    assert unary.text == rest, f"the unary resume returned {unary.text!r}, not what follows token {n}: {rest!r}"
+
+
+# --- 6. a reused session id with another prompt or settings is refused -----------------------------------
+
+def test_a_session_id_reused_with_another_prompt_or_settings_is_refused_and_an_exact_resume_continues(
+        redis_url, long_target, good_draft):
+    sid = "reused-session-id-0001"
+
+    async def scenario():
+        async with local_stack(redis_url, long_target, good_draft) as st:
+            first = await st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=10, session_id=sid))
+            other_prompt = await _status(st.client.generate(st.client.request(token_ids=[9, 10, 11], max_tokens=10,
+                                                                              session_id=sid)))
+            other_settings = await _status(st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=12,
+                                                                                session_id=sid)))
+            exact = await st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=10, session_id=sid,
+                                                               resume_from=4))
+            return first, other_prompt, other_settings, exact
+
+    first, other_prompt, other_settings, exact = run(scenario())
+    for name, (code, details) in (("another prompt", other_prompt), ("other settings", other_settings)):
+        assert code == grpc.StatusCode.FAILED_PRECONDITION, f"{name}: {code} {details!r}"
+        assert sid in details and "Error" not in details, details
+    assert exact.token_ids == first.token_ids[4:]
