@@ -15,18 +15,18 @@ import os
 import tempfile
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Optional, Sequence
 
 from specdec.errors import InvalidRequest
 from specdec.rpc.clients import DraftClient, ModelInfo, TargetClient
 from specdec.rpc.convert import check_session_id, check_token_ids
 from specdec.rpc.metrics import ServiceMetrics
-from specdec.rpc.serving import NotFound, Overloaded, Unavailable
+from specdec.rpc.serving import FailedPrecondition, NotFound, Overloaded, Unavailable
 from specdec.stopping import StopChecker, cut_at_stop_string
 from specdec.types import SamplingParams, StopConditions
 from coordinator.routing import ReplicaPool
 from coordinator.run import DRAFT_METHODS, RunStats, SessionRun
-from coordinator.sessions import SessionRecord, SessionStore
+from coordinator.sessions import STORE_DOWN, SessionRecord, SessionStore
 
 log = logging.getLogger("coordinator")
 DRAFT_HEALTH = "specdec.rpc.v1.DraftService"
@@ -47,6 +47,31 @@ class CoordinatorSettings:
     probe_interval_s: float = 0.5  # health checks of every replica
     target_wait_s: float = 30.0  # how long a session waits for a live target replica
     max_active: int = 256  # concurrent runs; more are refused (RESOURCE_EXHAUSTED)
+
+
+def check_prompt_chars(chars: int, max_positions: int, longest_token_chars: int) -> None:
+    """Refuse a prompt that cannot fit the context before tokenizing it (a multi-megabyte prompt
+    takes seconds to tokenize). No token stands for more characters than the longest entry of the
+    vocabulary (byte-level BPE: one character per byte; a normalizer that shrinks text would break
+    this bound, none of ours does), so a prompt of more than max_positions x that many characters
+    holds more tokens than the context. The exact count is checked after tokenizing."""
+    limit = max_positions * max(longest_token_chars, 1)
+    if chars > limit:
+        raise InvalidRequest(f"the prompt has {chars} characters: more than the model's context of {max_positions} "
+                             f"tokens can hold (at most {limit} characters)")
+
+
+def same_request(new: SessionRecord, stored: SessionRecord) -> bool:
+    """Whether a request naming an existing session asks for exactly what it holds: the same
+    prompt tokens and settings. Anything else would silently answer another question."""
+    return new.tokens == stored.tokens[:stored.prompt_len] and new.params == stored.params
+
+
+def text_after(full: str, before: str) -> str:
+    """The part of `full` after `before` (the text of the tokens a client already has). A character
+    cut in half at the end of `before` (shown as U+FFFD) is sent again whole."""
+    before = before.rstrip("\ufffd")
+    return full[len(os.path.commonprefix([full, before])):]
 
 
 @dataclass(frozen=True)
@@ -91,8 +116,12 @@ class Coordinator:
         self.background: set[asyncio.Task] = set()  # fire-and-forget calls (cache releases)
         self._info: Optional[ModelInfo] = None
         self._tokenizer = None
+        self._longest_token = 1  # characters of the tokenizer's longest vocabulary entry
         self._tokenizer_dir: Optional[tempfile.TemporaryDirectory] = None
         self._info_lock = asyncio.Lock()
+        self.store_ok = True  # the last answer of the store watcher
+        self.on_store_change: Optional[Callable[[bool], Awaitable[None]]] = None  # e.g. health SERVING / NOT_SERVING
+        self._store_watch: Optional[asyncio.Task] = None
 
     @staticmethod
     def pools(draft_addresses: Sequence[str], target_addresses: Sequence[str], settings: CoordinatorSettings,
@@ -107,6 +136,19 @@ class Coordinator:
     def start(self) -> None:
         self.draft_pool.start()
         self.target_pool.start()
+        self._store_watch = asyncio.get_running_loop().create_task(self._watch_store())
+
+    async def _watch_store(self) -> None:
+        """Ping Redis in the background (not per request) and report each change: without its
+        session store the coordinator can serve nothing, and its health must say so."""
+        while True:
+            ok = await self.store.ping()
+            if ok != self.store_ok:
+                self.store_ok = ok
+                (log.info if ok else log.warning)("session store %s", "reachable again" if ok else "unreachable")
+                if self.on_store_change is not None:
+                    await self.on_store_change(ok)
+            await asyncio.sleep(self.settings.probe_interval_s)
 
     # --- the target's model facts, fetched once ---------------------------------------------
     async def info(self) -> ModelInfo:
@@ -146,7 +188,9 @@ class Coordinator:
         for name, data in files.items():
             with open(os.path.join(self._tokenizer_dir.name, os.path.basename(name)), "wb") as fh:
                 fh.write(data)
-        return AutoTokenizer.from_pretrained(self._tokenizer_dir.name)
+        tok = AutoTokenizer.from_pretrained(self._tokenizer_dir.name)
+        self._longest_token = max((len(t) for t in tok.get_vocab()), default=1)
+        return tok
 
     def _need_tokenizer(self):
         if self._tokenizer is None:
@@ -158,29 +202,41 @@ class Coordinator:
             return ""
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    async def encode(self, prompt: Prompt) -> list[int]:
+        """Prompt -> token ids. Size is checked first; tokenizing runs in a worker thread (the
+        tokenizer releases the GIL), so a large prompt never holds up other sessions' streams."""
         given = [x is not None for x in (prompt.text, prompt.token_ids, prompt.chat)]
         if sum(given) != 1:
             raise InvalidRequest("give exactly one prompt: text, token_ids or chat messages")
         if prompt.token_ids is not None:
             if not prompt.token_ids:
                 raise InvalidRequest("the prompt is empty")
+            if len(prompt.token_ids) >= self._info.max_positions:  # before looking at a million ids
+                raise InvalidRequest(f"the prompt has {len(prompt.token_ids)} tokens: the model's context is "
+                                     f"{self._info.max_positions}")
             return check_token_ids(prompt.token_ids, self.vocab_size, "prompt token ids")
         if prompt.text is not None:
             if not prompt.text.strip():
                 raise InvalidRequest("the prompt is empty")
-            return list(self._need_tokenizer()(prompt.text, add_special_tokens=True)["input_ids"])
+            tok = self._need_tokenizer()
+            check_prompt_chars(len(prompt.text), self._info.max_positions, self._longest_token)
+            return await asyncio.to_thread(lambda: list(tok(prompt.text, add_special_tokens=True)["input_ids"]))
         if not prompt.chat or not any(c.strip() for _, c in prompt.chat):
             raise InvalidRequest("the prompt is empty")
         tok = self._need_tokenizer()
         for role, _ in prompt.chat:
             if role not in ("system", "user", "assistant"):
                 raise InvalidRequest(f"chat role must be system, user or assistant, got {role[:20]!r}")
-        ids = tok.apply_chat_template([{"role": r, "content": c} for r, c in prompt.chat],
-                                      add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        check_prompt_chars(sum(len(c) for _, c in prompt.chat), self._info.max_positions, self._longest_token)
+
+        def apply_template() -> list[int]:
+            ids = tok.apply_chat_template([{"role": r, "content": c} for r, c in prompt.chat],
+                                          add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return list(ids)
+
+        return await asyncio.to_thread(apply_template)
 
     # --- requests -------------------------------------------------------------------------
     def _methods(self, info: ModelInfo) -> tuple[str, ...]:
@@ -188,7 +244,7 @@ class Coordinator:
 
     async def _new_record(self, req: Request, session_id: str) -> SessionRecord:
         info = await self.info()
-        ids = self.encode(req.prompt)
+        ids = await self.encode(req.prompt)
         max_tokens = req.max_tokens or self.settings.default_max_tokens
         if max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")
@@ -223,21 +279,30 @@ class Coordinator:
         """-> (the session's run, the generated-token offset the client starts from)."""
         if req.resume_from < 0:
             raise InvalidRequest(f"resume_from must be >= 0, got {req.resume_from}")
+        if not self.store_ok:
+            raise Unavailable(STORE_DOWN)
         session_id = check_session_id(req.session_id) if req.session_id else uuid.uuid4().hex
         await self.info()
         run = self.runs.get(session_id)
         if run is not None and run.task is not None and (run.task.done() or run.task.cancelling()):
             await asyncio.wait([run.task])  # a run being paused: let it finish writing, then continue from Redis
             run = self.runs.get(session_id)
+        stored = run.rec if run is not None else None
         if run is None:
             try:
-                rec = await self.store.load(session_id)
+                rec = stored = await self.store.load(session_id)
             except NotFound:
                 if req.resume_from or req.prompt == Prompt():  # resuming, or nothing to start from
                     raise
                 rec = await self._new_record(req, session_id)
                 if not await self.store.create(rec):  # lost a race with a concurrent create
-                    rec = await self.store.load(session_id)
+                    rec = stored = await self.store.load(session_id)
+        if stored is not None and req.prompt != Prompt():
+            # A prompt with an existing session's id: only an exact resume continues it.
+            if not same_request(await self._new_record(req, session_id), stored):
+                raise FailedPrecondition(f"session {session_id} exists with another prompt or settings: resume it "
+                                         f"with the same ones (or none), or use a new session id")
+        if run is None:
             run = self.runs.get(session_id)
             if run is None:
                 run = self._run_for(rec)
@@ -259,6 +324,10 @@ class Coordinator:
     def text(self, run: SessionRun, upto: Optional[int] = None) -> str:
         ids = run.generated if upto is None else run.generated[:upto]
         return cut_at_stop_string(self.detokenize(ids), run.stop.stop_strings)
+
+    def text_from(self, run: SessionRun, offset: int) -> str:
+        """The text that follows the client's first `offset` generated tokens (a unary resume)."""
+        return text_after(self.text(run), self.text(run, offset)) if offset else self.text(run)
 
     async def follow(self, run: SessionRun, offset: int) -> AsyncIterator[Update]:
         """A session's updates from the client's offset until it finishes.
@@ -299,6 +368,8 @@ class Coordinator:
         return run, offset
 
     async def close(self) -> None:
+        if self._store_watch is not None:
+            self._store_watch.cancel()
         for run in list(self.runs.values()):
             if run.task is not None:
                 run.task.cancel()

@@ -50,6 +50,7 @@ class Replica(Generic[C]):
     open_until: float = 0.0  # breaker: not used before this time after a failure
     usable: bool = True  # False: permanently refused (e.g. a draft with another vocabulary)
     checked: bool = False  # its model facts were checked against the target's
+    seen_serving: bool = False  # answered SERVING once: before that, failing a probe means "still starting"
 
 
 @dataclass
@@ -113,6 +114,12 @@ class ReplicaPool(Generic[C]):
     async def probe_once(self) -> None:
         async def probe(rep: Replica[C]) -> None:
             ok = await rep.client.healthy(self.health_service)
+            if not ok and not rep.seen_serving:
+                if rep.healthy:  # still loading its model: out of the ring, but nothing went wrong
+                    log.info("%s replica %s is not serving yet", self.name, rep.address)
+                    rep.healthy = False
+                return
+            rep.seen_serving = rep.seen_serving or ok
             if ok and not rep.healthy and time.monotonic() >= rep.open_until:
                 log.info("%s replica %s is back in the ring", self.name, rep.address)
                 rep.healthy = True

@@ -25,11 +25,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from specdec.errors import InvalidRequest, SpecdecError
+from specdec.errors import SpecdecError
 from specdec.types import GenerationStats
 from specdec.proposers.draft_model import common_prefix_len
 from specdec.rpc.clients import DraftBlock, DraftClient, RemoteError, TargetClient
-from specdec.rpc.serving import FailedPrecondition, NotFound, Overloaded, Unavailable
+from specdec.rpc.serving import NotFound, Overloaded, Unavailable
 from specdec.stopping import StopChecker
 from specdec.types import SamplingParams, StopConditions
 
@@ -43,6 +43,14 @@ DRAFT_METHODS = ("auto", "draft")  # methods that draft on the draft service whe
 
 class DraftOut(Exception):
     """The draft could not serve this step: run it on the target alone."""
+
+
+def replica_fault(exc: BaseException) -> bool:
+    """Whether a failed call says something about the replica (down, too slow, overloaded, broken),
+    rather than about the one session's request (INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND,
+    ABORTED). Only the former opens the breaker: one session's bad request must not take the
+    replica away from every session."""
+    return isinstance(exc, (Unavailable, RemoteError, Overloaded))
 
 
 @dataclass
@@ -84,6 +92,7 @@ class SessionRun:
     target_known: list[int] = field(default_factory=list)
     pending: Optional[_Pending] = None
     last_fully_accepted: bool = False  # the last verified block was accepted whole
+    draft_refused: bool = False  # the draft refused this session's request: the target continues it alone
     _commit: Optional[asyncio.Future] = None  # the Redis write in flight
 
     @property
@@ -153,7 +162,7 @@ class SessionRun:
             k = min(self.k, remaining - 1)
             if k < 1:  # one token left: a plain step, no draft needed
                 return (await self._verify(DraftBlock((), None, None))).emitted
-            draft = self.coord.draft_pool.pick(self.session_id)
+            draft = None if self.draft_refused else self.coord.draft_pool.pick(self.session_id)
             if draft is not None:
                 try:
                     block = await self._propose(draft, k)
@@ -193,14 +202,15 @@ class SessionRun:
                 await rep.client.prefill(self.session_id, committed)
                 self.draft_addr, self.draft_known = rep.address, committed
             except SpecdecError as exc:
-                self.coord.draft_pool.mark_failed(rep.address, str(exc))
+                self._draft_failed(rep, exc)
 
         async def target(rep) -> None:
             try:
                 await rep.client.prefill(self.session_id, committed)
                 self.target_addr, self.target_known = rep.address, committed
             except SpecdecError as exc:
-                self.coord.target_pool.mark_failed(rep.address, str(exc))
+                if replica_fault(exc):
+                    self.coord.target_pool.mark_failed(rep.address, str(exc))
 
         async with asyncio.TaskGroup() as tg:
             if self.method in DRAFT_METHODS and (rep := self.coord.draft_pool.pick(self.session_id)) is not None:
@@ -231,6 +241,16 @@ class SessionRun:
             self.draft_known = list(tokens)
         return block
 
+    def _draft_failed(self, rep, exc: SpecdecError) -> None:
+        """A replica fault opens the draft's breaker for everyone; a refusal of this session's
+        request only moves this session to the target."""
+        self.draft_addr = None
+        if replica_fault(exc):
+            self.coord.draft_pool.mark_failed(rep.address, str(exc))
+        else:
+            log.info("session %s continues on the target alone: the draft refused it (%s)", self.session_id, exc)
+            self.draft_refused = True
+
     async def _propose(self, rep, k: int) -> DraftBlock:
         committed = list(self.rec.tokens)
         # Drafting ahead pays only when the whole block and the guessed bonus are accepted (about
@@ -258,9 +278,8 @@ class SessionRun:
                     break
                 except NotFound:
                     self.draft_addr = None  # evicted or restarted: prefill it again
-                except (Unavailable, RemoteError, Overloaded, FailedPrecondition, InvalidRequest) as exc:
-                    self.coord.draft_pool.mark_failed(rep.address, str(exc))
-                    self.draft_addr = None
+                except SpecdecError as exc:
+                    self._draft_failed(rep, exc)
                     raise DraftOut() from None
             else:
                 raise DraftOut()
@@ -283,8 +302,13 @@ class SessionRun:
             await pool.wait_for_live(self.coord.settings.target_wait_s)
             rep = pool.pick(self.session_id)
             if rep is None:
-                raise Unavailable("no target replica is available")
+                raise Unavailable(self._target_gone())
         return rep
+
+    def _target_gone(self) -> str:
+        """What a client reads when the target stays away: what happened and how to continue."""
+        return (f"the target service is unavailable (waited {self.coord.settings.target_wait_s:.0f} s); "
+                f"session {self.session_id} keeps its {len(self.generated)} tokens: resume it with its id")
 
     async def _on_target(self, call):
         """Run call(client, committed, known) on the session's target replica, prefilling it when the
@@ -310,7 +334,7 @@ class SessionRun:
                 self.coord.target_pool.mark_failed(rep.address, str(exc))
                 self.target_addr = None
             if time.monotonic() > deadline:
-                raise Unavailable("the target service did not serve the session in time")
+                raise Unavailable(self._target_gone())
 
     async def _verify(self, block: DraftBlock):
         async def call(client: TargetClient, committed, known):

@@ -47,7 +47,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def Generate(self, request, context):
         run, offset = await self.core.generate(request_from_pb(request))
         return coordinator_pb2.GenerateResponse(
-            session_id=run.session_id, text=self.core.text(run), token_ids=run.generated[offset:],
+            session_id=run.session_id, text=self.core.text_from(run, offset), token_ids=run.generated[offset:],
             finish_reason=run.checker.finish_reason or "", stats=stats_to_pb(run.stats),
             prompt_tokens=run.rec.prompt_len)
 
@@ -74,5 +74,6 @@ async def start_coordinator_server(redis_url: str, draft_addresses: Sequence[str
         server, lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(core), s),
         [SERVICE_NAME], metrics)
     running.core = core
+    core.on_store_change = running.set_serving
     running.on_stop.append(core.close)
     return running

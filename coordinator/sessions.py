@@ -23,6 +23,8 @@ from specdec.rpc.convert import check_session_id
 from specdec.rpc.serving import Aborted, NotFound, Unavailable
 
 KEY_PREFIX = "specdec:session:"
+# What a client sees while Redis is unreachable: ours, never the driver's exception.
+STORE_DOWN = "the session store is unreachable: try again shortly"
 
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -90,8 +92,8 @@ class SessionStore:
     async def _guard(self, coro):
         try:
             return await coro
-        except RedisError as exc:
-            raise Unavailable(f"session store unavailable: {type(exc).__name__}") from None
+        except RedisError:
+            raise Unavailable(STORE_DOWN) from None
 
     async def ping(self) -> bool:
         try:

@@ -31,6 +31,10 @@ class TypicalAcceptance:
             raise InvalidRequest(f"posterior_alpha must be in (0, 1), got {self.posterior_alpha}")
 
 
+MIN_TEMPERATURE = 1e-4
+MAX_TEMPERATURE = 100.0
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 means greedy (argmax); greedy is the lossless default
@@ -42,8 +46,12 @@ class SamplingParams:
     typical: Optional[TypicalAcceptance] = None
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0):  # also rejects NaN
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        # Every comparison is written so that NaN fails it. Below MIN_TEMPERATURE, logits / temperature
+        # overflows float32 to inf (NaN probabilities); above MAX_TEMPERATURE sampling is uniform noise:
+        # both are typos, refused here rather than failing inside a service's batch.
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            raise InvalidRequest(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+                                 f"got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 
 def add_up(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start redis-server, the target, draft and coordinator services on loopback")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051, help="coordinator port (default 50051)")
-    p.add_argument("--draft-port", type=int, default=50061)
-    p.add_argument("--target-port", type=int, default=50062)
-    p.add_argument("--redis-port", type=int, default=0, help="default: a free port")
+    p.add_argument("--host", default="127.0.0.1", help="address every service listens on")
+    p.add_argument("--port", type=int, default=50051, help="coordinator port (what `specdec client` calls)")
+    p.add_argument("--draft-port", type=int, default=50061, help="draft service port")
+    p.add_argument("--target-port", type=int, default=50062, help="target service port")
+    p.add_argument("--redis-port", type=int, default=0, help="redis-server port (0: a free port)")
     p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default=None, help="draft model directory (default: the draft shipped for the embedded target)")
     p.add_argument("--pipeline", action="store_true", help="draft the next block while the target verifies")
@@ -41,44 +40,49 @@ def _cmd_up(args: argparse.Namespace) -> int:
     stack = start_stack(args.host, (args.port, args.draft_port, args.target_port), args.redis_port, args.draft,
                         args.target, args.pipeline, metrics=not args.no_metrics, timeout=args.timeout,
                         log_dir=args.log_dir)
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     try:
-        print(f"redis        {stack.redis.url}")
+        print(f"redis        {stack.redis.url}  (pid {stack.redis.proc.pid})")
         for svc in stack.services:
-            print(f"{svc.name:<12} {args.host}:{svc.port}")
-        print(f'ready: specdec client "Write a haiku about the sea." --address {args.host}:{args.port}   '
-              f"(Ctrl-C stops everything)", flush=True)
-        while True:
-            for svc in stack.services:
-                if svc.proc.poll() is not None:
-                    print(f"specdec up: {svc.name} exited with code {svc.proc.returncode}; stopping", file=sys.stderr)
-                    return 1
-            time.sleep(0.5)
+            print(f"{svc.name:<12} {args.host}:{svc.port}  (pid {svc.proc.pid})")
+        print(f'specdec up: ready. Try: specdec client "Write a haiku about the sea." --address {args.host}:{args.port}'
+              f"   (Ctrl-C stops everything)", flush=True)
+        # A child that dies is restarted (with back-off); everything stops only on Ctrl-C / SIGTERM.
+        stack.supervise(say)
     except KeyboardInterrupt:
-        print("\nspecdec up: stopping...", file=sys.stderr)
-        return 0
+        say("\nspecdec up: stopping...")
     finally:
         stack.stop()
+    say("specdec up: stopped")
+    return 0
 
 
 def add_client(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("client", help="send a prompt to a running coordinator (see `specdec up`)")
     p.add_argument("prompt", nargs="?", default=None, help="the user prompt (chat template unless --no-chat)")
-    p.add_argument("--address", default="127.0.0.1:50051", help="coordinator host:port (default 127.0.0.1:50051)")
+    p.add_argument("--address", default="127.0.0.1:50051", help="coordinator host:port")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed")
     p.add_argument("--method", default="auto",
                    help="auto (draft, falling back to the target), draft, plain, target, or a target-side method")
-    p.add_argument("--k", type=int, default=0, help="tokens drafted per step (default 4)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--k", type=int, default=0, help="tokens drafted per step (0: the coordinator's default, 4)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; else sample, in [1e-4, 100]")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: off)")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling (default: fresh randomness)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--no-chat", action="store_true", help="send the prompt as raw text, without the chat template")
     p.add_argument("--session-id", default="", help="name the session (to resume it later), or resume one")
     p.add_argument("--resume-from", type=int, default=0, help="resume: generated tokens you already have")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of the call in seconds")
+    p.add_argument("--connect-timeout", type=float, default=20.0,
+                   help="seconds to wait for the coordinator to accept a connection")
     p.set_defaults(func=_cmd_client)
+
+
+def _resume_hint(address: str, session_id: str, committed: int) -> str:
+    return (f"specdec client: cut after {committed} tokens; resume with: specdec client --session-id {session_id} "
+            f"--resume-from {committed} --address {address} --stream")
 
 
 def _cmd_client(args: argparse.Namespace) -> int:
@@ -106,17 +110,30 @@ def _cmd_client(args: argparse.Namespace) -> int:
     async def go() -> dict:
         client = CoordinatorClient(args.address, timeout=args.timeout)
         try:
+            if not await client.wait_ready(args.connect_timeout):
+                raise SpecdecError(f"no coordinator answers at {args.address}: start one with `specdec up` "
+                                   f"(or give --address HOST:PORT)")
             if args.stream:
-                stats = {}
-                async for chunk in client.generate_stream(req):
-                    print(chunk.text, end="", flush=True)
-                    if chunk.finish_reason:
-                        stats = dict(chunk.stats or {}, finish_reason=chunk.finish_reason, session_id=chunk.session_id)
+                stats, session_id, committed = {}, args.session_id, args.resume_from
+                try:
+                    async for chunk in client.generate_stream(req):
+                        print(chunk.text, end="", flush=True)
+                        session_id, committed = chunk.session_id, chunk.offset + len(chunk.token_ids)
+                        if chunk.finish_reason:
+                            stats = dict(chunk.stats or {}, finish_reason=chunk.finish_reason,
+                                         session_id=chunk.session_id, committed=committed)
+                except (SpecdecError, asyncio.CancelledError):
+                    # Cut (coordinator gone, deadline, Ctrl-C): say how to get the rest.
+                    print(flush=True)
+                    if session_id:
+                        print(_resume_hint(args.address, session_id, committed), file=sys.stderr, flush=True)
+                    raise
                 print()
                 return stats
             out = await client.generate(req)
             print(out.text)
-            return dict(out.stats, finish_reason=out.finish_reason, session_id=out.session_id)
+            return dict(out.stats, finish_reason=out.finish_reason, session_id=out.session_id,
+                        committed=args.resume_from + len(out.token_ids))
         finally:
             await client.close()
 
@@ -124,6 +141,7 @@ def _cmd_client(args: argparse.Namespace) -> int:
     if s:
         print(f"[{args.method}] {s['emitted']} tokens in {s['elapsed_s']:.2f} s: {s['tokens_per_s']:.1f} tok/s, "
               f"tau {s['tau']:.2f}, alpha {s['alpha']:.2f}, target forwards {s['target_forwards']}, "
-              f"fallback steps {s['fallback_steps']}, finish {s['finish_reason']}, session {s['session_id']}",
+              f"fallback steps {s['fallback_steps']}, finish {s['finish_reason']}, session {s['session_id']}, "
+              f"{s['committed']} tokens committed",
               file=sys.stderr)
     return 0

@@ -257,9 +257,21 @@ class CoordinatorClient(ServiceClient):
             req.chat.messages.extend(coordinator_pb2.ChatMessage(role=r, content=c) for r, c in chat)
         return req
 
+    async def wait_ready(self, timeout: float) -> bool:
+        """Whether the coordinator accepts a connection within `timeout` seconds (connecting again
+        as often as the channel's back-off allows)."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self.channel.channel_ready()
+            return True
+        except TimeoutError:
+            return False
+
+    # wait_for_ready: a coordinator that is starting, restarting or too busy to accept at once
+    # (a refused or timed-out connection) is waited for until the call's deadline, not failed at once.
     async def generate(self, req: coordinator_pb2.GenerateRequest, timeout: Optional[float] = None) -> Completion:
         try:
-            reply = await self.stub.Generate(req, timeout=timeout or self.timeout)
+            reply = await self.stub.Generate(req, timeout=timeout or self.timeout, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
             raise error_from(exc, self.address) from None
         return Completion(reply.session_id, reply.text, tuple(reply.token_ids), reply.finish_reason,
@@ -267,7 +279,7 @@ class CoordinatorClient(ServiceClient):
 
     async def generate_stream(self, req: coordinator_pb2.GenerateRequest,
                               timeout: Optional[float] = None) -> AsyncIterator[Chunk]:
-        call = self.stub.GenerateStream(req, timeout=timeout or self.timeout)
+        call = self.stub.GenerateStream(req, timeout=timeout or self.timeout, wait_for_ready=True)
         try:
             async for msg in call:
                 yield Chunk(msg.session_id, msg.offset, tuple(msg.token_ids), msg.text, msg.finish_reason,

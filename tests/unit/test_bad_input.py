@@ -14,7 +14,7 @@ from specdec.types import StopConditions
     (["   "], "prompt is empty"),
     (["hi", "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
     (["hi", "--max-new-tokens", "-5"], "max_new_tokens must be >= 1"),
-    (["hi", "--temperature", "-0.1"], "temperature must be >= 0"),
+    (["hi", "--temperature", "-0.1"], "temperature must be 0 (greedy) or in"),
     (["hi", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["hi", "--k", "0"], "k must be >= 1"),
