@@ -38,6 +38,8 @@ log = logging.getLogger("target_service")
 
 # Decode(method="") picks the first of these that is loaded.
 FALLBACK_ORDER = ("medusa", "lookahead", "plain")
+# Each session's target-side proposer holds that one session, as its row 0.
+SESSION_ROW = 0
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
 
@@ -189,13 +191,13 @@ class TargetCore:
                 needs_hidden = bool(getattr(st.proposer, "needs_hidden", False))
                 # A proposer that reads the target's hidden state waits for one plain step when it is unknown.
                 if st.proposer is not None and st.proposer_k > 0 and not (needs_hidden and sess.hidden is None):
-                    ctx = ProposeContext(row_ids=(0,), token_ids=(tuple(sess.tokens),), k=(st.proposer_k,),
+                    ctx = ProposeContext(row_ids=(SESSION_ROW,), token_ids=(tuple(sess.tokens),), k=(st.proposer_k,),
                                          sampling=st.sampling, target_hidden=(sess.hidden,) if needs_hidden else None)
                     proposal = st.proposer.propose(ctx)[0]
                 seed = step_seed(st.sampling.seed, len(sess.tokens))
                 jobs.append(VerifyJob(cache=sess.cache, root=sess.tokens[-1], proposal=proposal,
                                       sampling=st.sampling, generator=make_generator(seed),
-                                      want_hidden=self.needs_hidden))
+                                      want_hidden=self.needs_hidden, row_id=SESSION_ROW))
                 where.append(i)
             except Exception as exc:  # noqa: BLE001 - one bad session must not fail the batch
                 results[i] = exc
