@@ -31,6 +31,14 @@ from specdec.verify import load_committed
 _DRAFT_SALT = 0x5EED
 
 
+def _draft_generator(sampling: SamplingParams, committed_len: int) -> torch.Generator:
+    """A session's draft randomness at one position: from its own seed and position only, so its
+    drafts (and its output) do not depend on the sessions it shares a batch with. Salted so the
+    draft's draws are not the target's (which come from the same seed and position)."""
+    seed = None if sampling.seed is None else sampling.seed ^ _DRAFT_SALT
+    return make_generator(step_seed(seed, committed_len))
+
+
 @dataclass(frozen=True)
 class DraftSettings:
     max_sessions: int = 256  # proposers (KV caches) kept; least recently used evicted beyond this
@@ -162,8 +170,9 @@ class DraftCore:
         """Draft for several sessions in one batched proposer: their caches are stacked into it
         and split back afterwards."""
         ks = tuple(j.k + (1 if j.with_guess else 0) for j in jobs)
+        generators = None if sampling.greedy else tuple(_draft_generator(sampling, len(j.session.tokens)) for j in jobs)
         ctx = ProposeContext(row_ids=tuple(range(len(jobs))), token_ids=tuple(tuple(j.session.tokens) for j in jobs),
-                             k=ks, sampling=sampling)
+                             k=ks, sampling=sampling, generators=generators)
         if len(jobs) == 1:
             proposer = jobs[0].session.proposer  # row 0 of its own proposer
         else:
@@ -172,9 +181,6 @@ class DraftCore:
             proposer.cache = stack_caches([p.cache for p in owned], self.draft.new_cache)
             proposer.cached_tokens = [list(p.cached_tokens[0]) for p in owned]
             proposer.row_ids = ctx.row_ids
-        if not sampling.greedy:
-            proposer.generator = make_generator(step_seed(None if sampling.seed is None else sampling.seed ^ _DRAFT_SALT,
-                                                          len(jobs[0].session.tokens)))
         proposals = proposer.propose(ctx)
         if len(jobs) > 1:
             for j, row, toks in zip(jobs, split_cache(proposer.cache, self.draft.new_cache), proposer.cached_tokens):

@@ -79,6 +79,9 @@ class ProposeContext:
     # last-layer hidden state [hidden] at the token before the last committed one, i.e. the
     # state whose logits produced the last committed token.
     target_hidden: Optional[tuple[torch.Tensor, ...]] = None
+    # Sampling proposers only: per row, the generator that row's samples come from, so a seeded
+    # row drafts the same tokens whatever rows share its batch. None: the proposer's own generator.
+    generators: Optional[tuple[torch.Generator, ...]] = None
 
 
 @dataclass(frozen=True)
