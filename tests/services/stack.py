@@ -14,6 +14,7 @@ from draft_service.core import DraftSettings
 from draft_service.servicer import start_draft_server
 from specdec.lm import CausalLM
 from specdec.rpc.clients import CoordinatorClient
+from specdec.rpc.metrics import ServiceMetrics
 from specdec.rpc.serving import RunningServer, ServerSettings
 from target_service.core import TargetSettings
 from target_service.servicer import start_target_server
@@ -70,6 +71,12 @@ async def local_stack(redis_url: str, target_lm: CausalLM, draft_lm: Optional[Ca
         for srv in [stack.coord, *stack.drafts, *stack.targets]:
             if srv is not None:
                 await srv.stop(0)
+
+
+def mean_batch_size(metrics: ServiceMetrics) -> float:
+    """Sessions per model forward so far, from a service's batch-size histogram."""
+    samples = {s.name.rsplit("_", 1)[-1]: s.value for s in metrics.batch_size.collect()[0].samples}
+    return samples["sum"] / samples["count"]
 
 
 def run(coro, timeout: float = 120.0):

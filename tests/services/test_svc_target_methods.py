@@ -8,7 +8,7 @@ from specdec.proposers.lookahead import LookaheadConfig, LookaheadProposer
 from specdec.rpc.convert import token_digest
 from specdec.types import SamplingParams
 from target_service.core import Position, TargetCore, TargetSettings
-from tests.services.stack import run
+from tests.services.stack import mean_batch_size, run
 
 PROMPTS = ([5, 6, 7, 8, 9, 5, 6, 7], [30, 31, 32, 33, 30, 31])
 # The pool filled from the Jacobi window alone: whatever it accepts comes from the window's
@@ -24,12 +24,6 @@ async def _decode(core: TargetCore, session_id: str, prompt: list[int], max_toke
     return await core.decode(session_id, pos, max_tokens, "lookahead", SamplingParams())
 
 
-def _mean_batch_size(core: TargetCore) -> float:
-    samples = {s.name.rsplit("_", 1)[-1]: s.value for s in core.metrics.batch_size.collect()[0].samples
-               if s.name.endswith(("_sum", "_count"))}
-    return samples["sum"] / samples["count"]
-
-
 def test_lookahead_sessions_verified_together_reach_the_same_tau_as_each_alone(long_target):
     async def scenario():
         alone = []
@@ -42,7 +36,7 @@ def test_lookahead_sessions_verified_together_reach_the_same_tau_as_each_alone(l
         core = TargetCore(long_target, BATCH_OF_TWO, methods=WINDOW_ONLY)
         try:
             together = await asyncio.gather(*(_decode(core, f"together-{i:04d}", p) for i, p in enumerate(PROMPTS)))
-            batched = _mean_batch_size(core)
+            batched = mean_batch_size(core.metrics)
         finally:
             await core.close()
         return alone, together, batched
