@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Optional
 
 from specdec.errors import InvalidRequest, SpecdecError
@@ -264,8 +264,9 @@ class SessionRun:
                     raise DraftOut() from None
             else:
                 raise DraftOut()
-        block = DraftBlock(block.token_ids[:k], None if block.draft_probs is None else block.draft_probs[:k],
-                           block.guess if len(block.token_ids) == k else None)
+        block = replace(block, token_ids=block.token_ids[:k],
+                        draft_probs=None if block.draft_probs is None else block.draft_probs[:k],
+                        guess=block.guess if len(block.token_ids) == k else None)
         if pipeline and block.guess is not None and len(block.token_ids) == k:
             assumed = committed + list(block.token_ids) + [block.guess]
             next_k = min(self.k, self.checker.remaining - len(assumed) + len(committed) - 1)
@@ -315,7 +316,7 @@ class SessionRun:
     async def _verify(self, block: DraftBlock):
         async def call(client: TargetClient, committed, known):
             return await client.verify(self.session_id, committed, known, block.token_ids, block.draft_probs,
-                                       self.sampling)
+                                       self.sampling, block.kind)
 
         v = await self._on_target(call)
         self.last_fully_accepted = v.num_drafted > 0 and v.num_accepted == v.num_drafted

@@ -8,6 +8,7 @@ the target; the *recovered* token is sampled from the residual at the first reje
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -128,6 +129,13 @@ class Proposal:
     @property
     def is_chain(self) -> bool:
         return self.parents is None
+
+
+class DraftKind(enum.Enum):
+    """How drafted tokens were chosen, which under sampling picks the acceptance rule."""
+
+    DETERMINISTIC = "deterministic"  # argmax or lookup drafts: a one-hot draft distribution
+    SAMPLED = "sampled"  # sampled from draft_probs, which rejection sampling then needs
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from specdec.rpc.metrics import ServiceMetrics
 from specdec.rpc.session_table import SessionTable
 from specdec.rpc.serving import FailedPrecondition, NotFound
 from specdec.sampling import make_generator
-from specdec.types import Proposal, ProposeContext, SamplingParams
+from specdec.types import DraftKind, Proposal, ProposeContext, SamplingParams
 from specdec.verify import VerifyJob, load_committed, verify_step
 
 log = logging.getLogger("target_service")
@@ -89,6 +89,24 @@ class StepResult:
     emitted: tuple[int, ...]
     num_accepted: int
     num_drafted: int
+
+
+def check_draft(kind: Optional[DraftKind], k: int, draft_probs: Optional[torch.Tensor],
+                sampling: SamplingParams) -> Optional[torch.Tensor]:
+    """A Verify's draft as the acceptance rule needs it: -> draft_probs [k, vocab], or None for a
+    deterministic draft. Under sampling the kind must be said: rejection sampling a SAMPLED draft
+    without its draft_probs is no rule at all, and guessing one would let a client that forgot
+    them pass unnoticed."""
+    if sampling.greedy or k == 0:
+        return None  # greedy acceptance and a plain step never read a draft distribution
+    if kind is None:
+        raise InvalidRequest("draft_kind is required when sampling: DETERMINISTIC for argmax or lookup drafts, "
+                             "SAMPLED (with draft_probs) for sampled ones")
+    if kind is DraftKind.SAMPLED and draft_probs is None:
+        raise InvalidRequest("a SAMPLED draft needs its draft_probs when sampling (rejection sampling reads them)")
+    if kind is DraftKind.DETERMINISTIC and draft_probs is not None:
+        raise InvalidRequest("a DETERMINISTIC draft carries no draft_probs")
+    return draft_probs
 
 
 def _engine_view(target: CausalLM, tokenizer) -> SimpleNamespace:
@@ -215,13 +233,14 @@ class TargetCore:
 
     # --- RPC bodies ------------------------------------------------------------------------
     async def verify(self, session_id: str, pos: Position, draft_ids: Sequence[int],
-                     draft_probs: Optional[torch.Tensor], sampling: SamplingParams) -> StepResult:
+                     draft_probs: Optional[torch.Tensor], sampling: SamplingParams,
+                     draft_kind: Optional[DraftKind]) -> StepResult:
+        """draft_kind None: the caller did not say (refused under sampling, see check_draft)."""
         if len(draft_ids) > self.settings.max_k:
             raise InvalidRequest(f"at most {self.settings.max_k} draft tokens per Verify, got {len(draft_ids)}")
         self._check_position(pos.committed_len, pos.new_token_ids, len(draft_ids))
         ids = tuple(self._check_tokens(draft_ids, "draft token ids"))
-        if draft_probs is not None and sampling.greedy:
-            draft_probs = None  # greedy acceptance never reads them
+        draft_probs = check_draft(draft_kind, len(ids), draft_probs, sampling)
         sess = self._session(session_id)
         async with sess.lock:
             res = await self.batcher.submit(_Step(sess, pos, ids, draft_probs, sampling))

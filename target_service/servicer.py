@@ -40,7 +40,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         probs = None
         if not sampling.greedy and request.HasField("draft_probs"):
             probs = convert.draft_probs_from_pb(request.draft_probs, k, self.core.target.vocab_size)
-        res = await self.core.verify(sid, pos, request.draft_token_ids, probs, sampling)
+        res = await self.core.verify(sid, pos, request.draft_token_ids, probs, sampling,
+                                     convert.draft_kind_from_pb(request.draft_kind))
         return target_pb2.VerifyResponse(emitted_token_ids=res.emitted, num_accepted=res.num_accepted,
                                          num_drafted=res.num_drafted)
 

@@ -23,7 +23,7 @@ from specdec.rpc.serving import (DEFAULT_MAX_MESSAGE_BYTES, Aborted, FailedPreco
                                  Unavailable, channel_options)
 from specdec.rpc.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, target_pb2,
                             target_pb2_grpc)
-from specdec.types import SamplingParams
+from specdec.types import DraftKind, SamplingParams
 
 
 class DeadlineExceeded(Unavailable):
@@ -123,6 +123,7 @@ class DraftBlock:
     token_ids: tuple[int, ...]
     draft_probs: Optional[torch.Tensor]  # [k, vocab], sampling only
     guess: Optional[int]  # the draft's guess of the token after the block (pipelining)
+    kind: DraftKind = DraftKind.DETERMINISTIC  # SAMPLED when drafted under sampling (with draft_probs)
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,9 @@ class DraftClient(ServiceClient):
         if reply.HasField("draft_probs"):
             probs = convert.draft_probs_from_pb(reply.draft_probs, len(reply.token_ids),
                                                 vocab_size or reply.draft_probs.vocab_size)
-        return DraftBlock(tuple(reply.token_ids), probs, reply.guess if reply.HasField("guess") else None)
+        # The draft service drafts by argmax under greedy settings and samples otherwise.
+        kind = DraftKind.DETERMINISTIC if sampling.greedy else DraftKind.SAMPLED
+        return DraftBlock(tuple(reply.token_ids), probs, reply.guess if reply.HasField("guess") else None, kind)
 
     async def release(self, session_id: str) -> bool:
         req = common_pb2.ReleaseRequest(session_id=session_id)
@@ -184,9 +187,11 @@ class TargetClient(ServiceClient):
         return (await self._call(self.stub.Prefill, req, self.deadlines.prefill)).cached_len
 
     async def verify(self, session_id: str, committed: Sequence[int], known_len: int, draft_ids: Sequence[int],
-                     draft_probs: Optional[torch.Tensor], sampling: SamplingParams) -> VerifyResult:
+                     draft_probs: Optional[torch.Tensor], sampling: SamplingParams,
+                     draft_kind: DraftKind) -> VerifyResult:
         req = target_pb2.VerifyRequest(position=convert.position_to_pb(session_id, committed, known_len),
-                                       draft_token_ids=list(draft_ids), sampling=convert.sampling_to_pb(sampling))
+                                       draft_token_ids=list(draft_ids), sampling=convert.sampling_to_pb(sampling),
+                                       draft_kind=convert.draft_kind_to_pb(draft_kind))
         if draft_probs is not None:
             req.draft_probs.CopyFrom(convert.draft_probs_to_pb(draft_probs))
         reply = await self._call(self.stub.Verify, req, self.deadlines.verify)

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from specdec.errors import InvalidRequest
-from specdec.rpc.v1 import common_pb2
-from specdec.types import SamplingParams
+from specdec.rpc.v1 import common_pb2, target_pb2
+from specdec.types import DraftKind, SamplingParams
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
 
@@ -64,6 +64,26 @@ def step_seed(seed: Optional[int], committed_len: int) -> Optional[int]:
         return None
     data = int(seed).to_bytes(16, "little", signed=True) + int(committed_len).to_bytes(8, "little")
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+# --- draft kinds ------------------------------------------------------------------------------
+
+_DRAFT_KINDS = {DraftKind.DETERMINISTIC: target_pb2.DRAFT_KIND_DETERMINISTIC,
+                DraftKind.SAMPLED: target_pb2.DRAFT_KIND_SAMPLED}
+
+
+def draft_kind_to_pb(kind: DraftKind) -> int:
+    return _DRAFT_KINDS[kind]
+
+
+def draft_kind_from_pb(value: int) -> Optional[DraftKind]:
+    """-> the kind, or None when the caller left it unspecified."""
+    if value == target_pb2.DRAFT_KIND_UNSPECIFIED:
+        return None
+    for kind, pb in _DRAFT_KINDS.items():
+        if pb == value:
+            return kind
+    raise InvalidRequest(f"unknown draft_kind {value}")
 
 
 # --- session positions -------------------------------------------------------------------------
