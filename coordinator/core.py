@@ -17,11 +17,10 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional, Sequence
 
-from specdec.errors import InvalidRequest
+from specdec.errors import InvalidRequest, NotFound, Overloaded, Unavailable
 from specdec.rpc.clients import DraftClient, ModelInfo, TargetClient
-from specdec.rpc.convert import check_session_id, check_token_ids
 from specdec.rpc.metrics import ServiceMetrics
-from specdec.rpc.serving import NotFound, Overloaded, Unavailable
+from specdec.sessions import check_session_id, check_token_ids
 from specdec.stopping import StopChecker, cut_at_stop_string
 from specdec.types import SamplingParams, StopConditions
 from coordinator.routing import ReplicaPool

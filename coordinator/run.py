@@ -25,11 +25,11 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Optional
 
-from specdec.errors import InvalidRequest, SpecdecError
+from specdec.errors import (FailedPrecondition, InvalidRequest, NotFound, Overloaded, RemoteError, SpecdecError,
+                            Unavailable)
 from specdec.types import GenerationStats
 from specdec.proposers.draft_model import common_prefix_len
-from specdec.rpc.clients import DraftBlock, DraftClient, RemoteError, TargetClient
-from specdec.rpc.serving import FailedPrecondition, NotFound, Overloaded, Unavailable
+from specdec.rpc.clients import DraftBlock, DraftClient, TargetClient
 from specdec.stopping import StopChecker
 from specdec.types import SamplingParams, StopConditions
 

@@ -19,8 +19,8 @@ from typing import Optional, Sequence
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from specdec.rpc.convert import check_session_id
-from specdec.rpc.serving import Aborted, NotFound, Unavailable
+from specdec.errors import Aborted, NotFound, Unavailable
+from specdec.sessions import check_session_id
 
 KEY_PREFIX = "specdec:session:"
 

@@ -15,16 +15,15 @@ from typing import Optional, Sequence
 
 import torch
 
-from specdec.errors import InvalidRequest
+from specdec.errors import InvalidRequest, NotFound
 from specdec.kv_stack import split_cache, stack_caches
 from specdec.lm import CausalLM
 from specdec.proposers.draft_model import DraftModelProposer, common_prefix_len
 from specdec.rpc.batching import MicroBatcher
-from specdec.rpc.convert import check_token_ids, step_seed, token_digest
 from specdec.rpc.metrics import ServiceMetrics
 from specdec.rpc.session_table import SessionTable
-from specdec.rpc.serving import NotFound
 from specdec.sampling import make_generator
+from specdec.sessions import check_token_ids, step_seed, token_digest
 from specdec.types import ProposeContext, SamplingParams
 from specdec.verify import load_committed
 

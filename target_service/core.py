@@ -21,16 +21,15 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from specdec.errors import InvalidRequest
+from specdec.errors import FailedPrecondition, InvalidRequest, NotFound
 from specdec.lm import CausalLM
 from specdec.proposers.base import Proposer
 from specdec.proposers.draft_model import common_prefix_len
 from specdec.rpc.batching import MicroBatcher
-from specdec.rpc.convert import check_token_ids, step_seed, token_digest
 from specdec.rpc.metrics import ServiceMetrics
 from specdec.rpc.session_table import SessionTable
-from specdec.rpc.serving import FailedPrecondition, NotFound
 from specdec.sampling import make_generator
+from specdec.sessions import check_token_ids, step_seed, token_digest
 from specdec.types import DraftKind, Proposal, ProposeContext, SamplingParams
 from specdec.verify import VerifyJob, load_committed, verify_step
 

@@ -17,10 +17,10 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.errors import InvalidRequest, SpecdecError
+from specdec.errors import (Aborted, FailedPrecondition, InvalidRequest, NotFound, Overloaded, RemoteError, SpecdecError,
+                            Unavailable)
 from specdec.rpc import convert
-from specdec.rpc.serving import (DEFAULT_MAX_MESSAGE_BYTES, Aborted, FailedPrecondition, NotFound, Overloaded,
-                                 Unavailable, channel_options)
+from specdec.rpc.serving import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from specdec.rpc.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, target_pb2,
                             target_pb2_grpc)
 from specdec.types import DraftKind, SamplingParams
@@ -28,10 +28,6 @@ from specdec.types import DraftKind, SamplingParams
 
 class DeadlineExceeded(Unavailable):
     """The call did not finish before its deadline."""
-
-
-class RemoteError(SpecdecError):
-    """The service failed in a way the caller cannot fix (INTERNAL, UNKNOWN, ...)."""
 
 
 _ERRORS = {

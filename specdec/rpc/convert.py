@@ -7,9 +7,6 @@ float32 values exactly, so rejection sampling on the target sees the draft's own
 
 from __future__ import annotations
 
-import hashlib
-import re
-from array import array
 from typing import Optional, Sequence
 
 import numpy as np
@@ -17,31 +14,8 @@ import torch
 
 from specdec.errors import InvalidRequest
 from specdec.rpc.v1 import common_pb2, target_pb2
+from specdec.sessions import check_token_ids, token_digest
 from specdec.types import DraftKind, SamplingParams
-
-SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
-
-
-def check_session_id(session_id: str) -> str:
-    """Session ids become Redis keys and log fields: 8-64 characters of [A-Za-z0-9_-], nothing else."""
-    if not isinstance(session_id, str) or not SESSION_ID.match(session_id):
-        raise InvalidRequest("malformed session id: expected 8-64 characters of A-Z a-z 0-9 _ -")
-    return session_id
-
-
-def token_digest(token_ids: Sequence[int]) -> int:
-    """A 64-bit digest of a token list: a service checks it before trusting its cached state."""
-    data = array("q", (int(t) for t in token_ids)).tobytes()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-
-
-def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str = "token ids") -> list[int]:
-    ids = [int(t) for t in token_ids]
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequest(f"{what} outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-    return ids
-
 
 # --- sampling ----------------------------------------------------------------------------------
 
@@ -55,15 +29,6 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0,
                           seed=msg.seed if msg.HasField("seed") else None)
-
-
-def step_seed(seed: Optional[int], committed_len: int) -> Optional[int]:
-    """A seeded session draws each step's randomness from (seed, position), so its samples do not
-    depend on which replica served which step, on restarts, or on retries."""
-    if seed is None:
-        return None
-    data = int(seed).to_bytes(16, "little", signed=True) + int(committed_len).to_bytes(8, "little")
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
 # --- draft kinds ------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 
 from coordinator.sessions import SessionRecord, SessionStore, pack_tokens, unpack_tokens
 from specdec.errors import InvalidRequest
-from specdec.rpc.serving import Aborted, NotFound, Unavailable
+from specdec.errors import Aborted, NotFound, Unavailable
 from tests.services.stack import run
 
 

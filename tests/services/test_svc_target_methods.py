@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from specdec.proposers.lookahead import LookaheadConfig, LookaheadProposer
-from specdec.rpc.convert import token_digest
+from specdec.sessions import token_digest
 from specdec.types import SamplingParams
 from target_service.core import Position, TargetCore, TargetSettings
 from tests.services.stack import mean_batch_size, run
