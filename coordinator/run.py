@@ -23,22 +23,43 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Protocol
 
 from specdec.errors import (FailedPrecondition, InvalidRequest, NotFound, Overloaded, RemoteError, SpecdecError,
                             Unavailable)
-from specdec.types import GenerationStats
 from specdec.proposers.draft_model import common_prefix_len
-from specdec.rpc.clients import DraftBlock, DraftClient, TargetClient
 from specdec.stopping import StopChecker
-from specdec.types import SamplingParams, StopConditions
+from specdec.types import DraftBlock, GenerationStats, SamplingParams, StopConditions
+from coordinator.records import SessionRecord
 
 if TYPE_CHECKING:
-    from coordinator.core import Coordinator
-    from coordinator.sessions import SessionRecord
+    from specdec.rpc.clients import DraftClient, TargetClient
+    from specdec.rpc.metrics import ServiceMetrics
+    from coordinator.routing import ReplicaPool
+    from coordinator.sessions import SessionStore
+    from coordinator.settings import CoordinatorSettings
 
 log = logging.getLogger("coordinator")
 DRAFT_METHODS = ("auto", "draft")  # methods that draft on the draft service when it is available
+
+
+class RunHost(Protocol):
+    """What a run uses of the coordinator that owns it (coordinator.core.Coordinator, which imports
+    this module: the run knows its host by this protocol, so the two modules form no circle)."""
+
+    store: SessionStore
+    draft_pool: ReplicaPool
+    target_pool: ReplicaPool
+    settings: CoordinatorSettings
+    metrics: ServiceMetrics
+    background: set[asyncio.Task]  # fire-and-forget calls the host awaits on close
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    async def draft_fits(self, rep) -> bool: ...
+
+    def run_ended(self, run: SessionRun) -> None: ...
 
 
 class DraftOut(Exception):
@@ -66,8 +87,8 @@ class _Pending:
 
 @dataclass
 class SessionRun:
-    coord: "Coordinator"
-    rec: "SessionRecord"
+    coord: RunHost
+    rec: SessionRecord
     sampling: SamplingParams
     stop: StopConditions
     method: str

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import time
 from array import array
-from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import redis.asyncio as aioredis
@@ -21,6 +20,7 @@ from redis.exceptions import RedisError
 
 from specdec.errors import Aborted, NotFound, Unavailable
 from specdec.sessions import check_session_id
+from coordinator.records import SessionRecord
 
 KEY_PREFIX = "specdec:session:"
 
@@ -56,22 +56,6 @@ def unpack_tokens(data: bytes) -> list[int]:
 
 
 assert array("i").itemsize == 4 and int.from_bytes(array("i", [1]).tobytes(), "little") == 1
-
-
-@dataclass
-class SessionRecord:
-    session_id: str
-    prompt_len: int
-    tokens: list[int]  # prompt + generated
-    params: dict  # sampling, max_tokens, stop, eos, method, k
-    status: str = "running"
-    finish_reason: str = ""
-    version: int = 0
-    stats: dict = field(default_factory=dict)
-
-    @property
-    def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
 
 
 class SessionStore:

@@ -177,3 +177,48 @@ class GenerationResult:
     token_ids: tuple[int, ...]  # generated tokens only (EOS included when it ended the sequence)
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     stats: GenerationStats
+
+
+# --- what the services answer (specdec/rpc/clients.py builds these from the wire) -------------
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A service's model facts (its Info call)."""
+
+    name: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_positions: int
+    max_k: int
+    methods: tuple[str, ...] = ()
+    tokenizer_files: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    """The draft service's answer to Propose."""
+
+    token_ids: tuple[int, ...]
+    draft_probs: Optional[torch.Tensor]  # [k, vocab], sampling only
+    guess: Optional[int]  # the draft's guess of the token after the block (pipelining)
+    kind: DraftKind = DraftKind.DETERMINISTIC  # SAMPLED when drafted under sampling (with draft_probs)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The target service's answer to Verify: one step of the session."""
+
+    emitted: tuple[int, ...]
+    num_accepted: int
+    num_drafted: int
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """The target service's answer to Decode: several steps with a target-side method."""
+
+    emitted: tuple[int, ...]
+    method: str
+    target_forwards: int
+    num_drafted: int
+    num_accepted: int

@@ -10,7 +10,7 @@ that already applied a call rolls back to that length before doing it again.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Optional, Sequence
 
 import grpc
@@ -23,7 +23,7 @@ from specdec.rpc import convert
 from specdec.rpc.serving import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from specdec.rpc.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, target_pb2,
                             target_pb2_grpc)
-from specdec.types import DraftKind, SamplingParams
+from specdec.types import DecodeResult, DraftBlock, DraftKind, ModelInfo, SamplingParams, VerifyResult
 
 
 class DeadlineExceeded(Unavailable):
@@ -97,45 +97,10 @@ class ServiceClient:
         await self.channel.close()
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    max_positions: int
-    max_k: int
-    methods: tuple[str, ...] = ()
-    tokenizer_files: dict[str, bytes] = field(default_factory=dict)
-
-
 def _info_from(msg: common_pb2.ModelInfo) -> ModelInfo:
     return ModelInfo(name=msg.name, vocab_size=msg.vocab_size, eos_token_ids=tuple(msg.eos_token_ids),
                      max_positions=msg.max_positions, max_k=msg.max_k, methods=tuple(msg.methods),
                      tokenizer_files=dict(msg.tokenizer_files))
-
-
-@dataclass(frozen=True)
-class DraftBlock:
-    token_ids: tuple[int, ...]
-    draft_probs: Optional[torch.Tensor]  # [k, vocab], sampling only
-    guess: Optional[int]  # the draft's guess of the token after the block (pipelining)
-    kind: DraftKind = DraftKind.DETERMINISTIC  # SAMPLED when drafted under sampling (with draft_probs)
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    emitted: tuple[int, ...]
-    num_accepted: int
-    num_drafted: int
-
-
-@dataclass(frozen=True)
-class DecodeResult:
-    emitted: tuple[int, ...]
-    method: str
-    target_forwards: int
-    num_drafted: int
-    num_accepted: int
 
 
 class DraftClient(ServiceClient):

@@ -14,10 +14,10 @@ import torch
 
 from draft_service.servicer import start_draft_server
 from specdec.rpc import convert
-from specdec.rpc.clients import DraftBlock, DraftClient, TargetClient
+from specdec.rpc.clients import DraftClient, TargetClient
 from specdec.rpc.v1 import target_pb2
 from specdec.sampling import logits_to_probs
-from specdec.types import DraftKind, SamplingParams
+from specdec.types import DraftBlock, DraftKind, SamplingParams
 from target_service.servicer import start_target_server
 from tests.conftest import full_logits
 from tests.services.stack import local_stack, mean_batch_size, run

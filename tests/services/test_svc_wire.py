@@ -4,11 +4,13 @@ and every service serves health, reflection and Prometheus metrics."""
 from __future__ import annotations
 
 import ast
+import graphlib
 import os
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Optional
 
 import grpc
 import pytest
@@ -92,12 +94,41 @@ for name in sys.argv[1:]:
 """
 
 
-@pytest.mark.parametrize("group", ["specdec", "draft_service.core", "target_service.core"])
+@pytest.mark.parametrize("group", ["specdec", "draft_service.core", "target_service.core", "coordinator.core"])
 def test_the_core_and_each_services_core_load_neither_grpc_nor_redis(group):
     modules = _core_modules() if group == "specdec" else [group]
     out = subprocess.run([sys.executable, "-c", _LOADS, *modules], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
     assert out == "", f"importing {out.strip()} loads the wire"
+
+
+def _first_party_imports() -> dict[str, set[str]]:
+    """module -> the first-party modules it imports anywhere (top level, functions, TYPE_CHECKING)."""
+    paths = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for pkg in ("specdec", "draft_service", "target_service", "coordinator") for p in (ROOT / pkg).rglob("*.py")}
+
+    def module_of(name: str) -> Optional[str]:  # "pkg.mod.attr" -> "pkg.mod"
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in paths.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {module_of(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {module_of(f"{node.module}.{a.name}") for a in node.names}
+        graph[name] = found - {None, name}
+    return graph
+
+
+def test_first_party_modules_import_one_another_without_a_circle():
+    try:
+        tuple(graphlib.TopologicalSorter(_first_party_imports()).static_order())
+    except graphlib.CycleError as exc:
+        pytest.fail(f"import circle: {' -> '.join(exc.args[1])}")
 
 
 def test_draft_probs_round_trip_exactly_sparse_and_dense():
