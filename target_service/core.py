@@ -93,9 +93,11 @@ class StepResult:
 def check_draft(kind: Optional[DraftKind], k: int, draft_probs: Optional[torch.Tensor],
                 sampling: SamplingParams) -> Optional[torch.Tensor]:
     """A Verify's draft as the acceptance rule needs it: -> draft_probs [k, vocab], or None for a
-    deterministic draft. Under sampling the kind must be said: rejection sampling a SAMPLED draft
-    without its draft_probs is no rule at all, and guessing one would let a client that forgot
-    them pass unnoticed."""
+    deterministic draft. Under sampling the kind must be said rather than guessed from whether
+    probabilities came along: a sampled draft verified as one-hot still yields the target's
+    distribution (any token fixed before the target's draws is a valid one-hot draft) but is kept
+    with probability target_probs[x] instead of min(1, target_probs[x] / draft_probs[x]), so a
+    client that lost its probabilities would only see its acceptance collapse, silently."""
     if sampling.greedy or k == 0:
         return None  # greedy acceptance and a plain step never read a draft distribution
     if kind is None:
