@@ -15,38 +15,22 @@ import os
 import tempfile
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
-from specdec.errors import InvalidRequest
-from specdec.rpc.clients import DraftClient, ModelInfo, TargetClient
-from specdec.rpc.convert import check_session_id, check_token_ids
+from specdec.errors import FailedPrecondition, InvalidRequest, NotFound, Overloaded, Unavailable
 from specdec.rpc.metrics import ServiceMetrics
-from specdec.rpc.serving import FailedPrecondition, NotFound, Overloaded, Unavailable
+from specdec.sessions import check_session_id, check_token_ids
 from specdec.stopping import StopChecker, cut_at_stop_string
-from specdec.types import SamplingParams, StopConditions
+from specdec.types import ModelInfo, SamplingParams, StopConditions
+from coordinator.records import STORE_DOWN, SessionRecord
 from coordinator.routing import ReplicaPool
 from coordinator.run import DRAFT_METHODS, RunStats, SessionRun
-from coordinator.sessions import STORE_DOWN, SessionRecord, SessionStore
+from coordinator.settings import CoordinatorSettings
+
+if TYPE_CHECKING:
+    from coordinator.sessions import SessionStore
 
 log = logging.getLogger("coordinator")
-DRAFT_HEALTH = "specdec.rpc.v1.DraftService"
-TARGET_HEALTH = "specdec.rpc.v1.TargetService"
-
-
-@dataclass(frozen=True)
-class CoordinatorSettings:
-    session_ttl_s: int = 3600
-    default_max_tokens: int = 128
-    default_k: int = 4
-    max_k: int = 16
-    pipeline: bool = False  # draft block i+1 while block i is verified (see bench/services.py)
-    fallback_chunk: int = 8  # tokens per target-side Decode while the draft is out (then drafting is retried)
-    decode_chunk: int = 8  # tokens per Decode for target-side methods (also the streaming granularity)
-    propose_deadline_s: float = 5.0  # a Propose slower than this opens the draft's breaker
-    draft_cooldown_s: float = 1.0  # a failed draft replica stays out at least this long
-    probe_interval_s: float = 0.5  # health checks of every replica
-    target_wait_s: float = 30.0  # how long a session waits for a live target replica
-    max_active: int = 256  # concurrent runs; more are refused (RESOURCE_EXHAUSTED)
 
 
 def check_prompt_chars(chars: int, max_positions: int, longest_token_chars: int) -> None:
@@ -122,16 +106,6 @@ class Coordinator:
         self.store_ok = True  # the last answer of the store watcher
         self.on_store_change: Optional[Callable[[bool], Awaitable[None]]] = None  # e.g. health SERVING / NOT_SERVING
         self._store_watch: Optional[asyncio.Task] = None
-
-    @staticmethod
-    def pools(draft_addresses: Sequence[str], target_addresses: Sequence[str], settings: CoordinatorSettings,
-              ) -> tuple[ReplicaPool, ReplicaPool]:
-        draft = ReplicaPool("draft", DraftClient, DRAFT_HEALTH, settings.draft_cooldown_s, settings.probe_interval_s)
-        target = ReplicaPool("target", TargetClient, TARGET_HEALTH, settings.draft_cooldown_s,
-                             settings.probe_interval_s)
-        draft.set_addresses(draft_addresses)
-        target.set_addresses(target_addresses)
-        return draft, target
 
     def start(self) -> None:
         self.draft_pool.start()

@@ -22,23 +22,44 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Optional, Protocol
 
-from specdec.errors import SpecdecError
-from specdec.types import GenerationStats
+from specdec.errors import (FailedPrecondition, InvalidRequest, NotFound, Overloaded, RemoteError, SpecdecError,
+                            Unavailable)
 from specdec.proposers.draft_model import common_prefix_len
-from specdec.rpc.clients import DraftBlock, DraftClient, RemoteError, TargetClient
-from specdec.rpc.serving import NotFound, Overloaded, Unavailable
 from specdec.stopping import StopChecker
-from specdec.types import SamplingParams, StopConditions
+from specdec.types import DraftBlock, GenerationStats, SamplingParams, StopConditions
+from coordinator.records import SessionRecord
 
 if TYPE_CHECKING:
-    from coordinator.core import Coordinator
-    from coordinator.sessions import SessionRecord
+    from specdec.rpc.clients import DraftClient, TargetClient
+    from specdec.rpc.metrics import ServiceMetrics
+    from coordinator.routing import ReplicaPool
+    from coordinator.sessions import SessionStore
+    from coordinator.settings import CoordinatorSettings
 
 log = logging.getLogger("coordinator")
 DRAFT_METHODS = ("auto", "draft")  # methods that draft on the draft service when it is available
+
+
+class RunHost(Protocol):
+    """What a run uses of the coordinator that owns it (coordinator.core.Coordinator, which imports
+    this module: the run knows its host by this protocol, so the two modules form no circle)."""
+
+    store: SessionStore
+    draft_pool: ReplicaPool
+    target_pool: ReplicaPool
+    settings: CoordinatorSettings
+    metrics: ServiceMetrics
+    background: set[asyncio.Task]  # fire-and-forget calls the host awaits on close
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    async def draft_fits(self, rep) -> bool: ...
+
+    def run_ended(self, run: SessionRun) -> None: ...
 
 
 class DraftOut(Exception):
@@ -74,8 +95,8 @@ class _Pending:
 
 @dataclass
 class SessionRun:
-    coord: "Coordinator"
-    rec: "SessionRecord"
+    coord: RunHost
+    rec: SessionRecord
     sampling: SamplingParams
     stop: StopConditions
     method: str
@@ -283,8 +304,9 @@ class SessionRun:
                     raise DraftOut() from None
             else:
                 raise DraftOut()
-        block = DraftBlock(block.token_ids[:k], None if block.draft_probs is None else block.draft_probs[:k],
-                           block.guess if len(block.token_ids) == k else None)
+        block = replace(block, token_ids=block.token_ids[:k],
+                        draft_probs=None if block.draft_probs is None else block.draft_probs[:k],
+                        guess=block.guess if len(block.token_ids) == k else None)
         if pipeline and block.guess is not None and len(block.token_ids) == k:
             assumed = committed + list(block.token_ids) + [block.guess]
             next_k = min(self.k, self.checker.remaining - len(assumed) + len(committed) - 1)
@@ -339,7 +361,7 @@ class SessionRun:
     async def _verify(self, block: DraftBlock):
         async def call(client: TargetClient, committed, known):
             return await client.verify(self.session_id, committed, known, block.token_ids, block.draft_probs,
-                                       self.sampling)
+                                       self.sampling, block.kind)
 
         v = await self._on_target(call)
         self.last_fully_accepted = v.num_drafted > 0 and v.num_accepted == v.num_drafted

@@ -9,14 +9,19 @@ from typing import Optional, Sequence
 from specdec.rpc import convert
 from specdec.rpc.metrics import ServiceMetrics
 from specdec.rpc.serving import RunningServer, ServerSettings, start_server
-from specdec.rpc.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec.rpc.v1 import coordinator_pb2, coordinator_pb2_grpc, draft_pb2, target_pb2
+from specdec.rpc.clients import DraftClient, TargetClient
 from coordinator.core import Coordinator, CoordinatorSettings, Prompt, Request
+from coordinator.routing import ReplicaPool
 from coordinator.run import RunStats
 from coordinator.sessions import SessionStore
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 PUBLIC_MAX_MESSAGE_BYTES = 4 << 20  # a public request is a prompt: larger ones are refused (RESOURCE_EXHAUSTED)
 log = logging.getLogger("coordinator")
+# The health service names each replica answers SERVING under.
+DRAFT_HEALTH = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+TARGET_HEALTH = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
 def request_from_pb(msg: coordinator_pb2.GenerateRequest) -> Request:
@@ -62,12 +67,22 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             yield chunk
 
 
+def replica_pools(draft_addresses: Sequence[str], target_addresses: Sequence[str], settings: CoordinatorSettings,
+                  ) -> tuple[ReplicaPool, ReplicaPool]:
+    """The draft and target replica sets, each replica reached through its gRPC client."""
+    draft = ReplicaPool("draft", DraftClient, DRAFT_HEALTH, settings.draft_cooldown_s, settings.probe_interval_s)
+    target = ReplicaPool("target", TargetClient, TARGET_HEALTH, settings.draft_cooldown_s, settings.probe_interval_s)
+    draft.set_addresses(draft_addresses)
+    target.set_addresses(target_addresses)
+    return draft, target
+
+
 async def start_coordinator_server(redis_url: str, draft_addresses: Sequence[str], target_addresses: Sequence[str],
                                    server: ServerSettings = ServerSettings(max_message_bytes=PUBLIC_MAX_MESSAGE_BYTES),
                                    settings: CoordinatorSettings = CoordinatorSettings()) -> RunningServer:
     metrics = ServiceMetrics("coordinator")
     store = SessionStore(redis_url, ttl_s=settings.session_ttl_s)
-    draft_pool, target_pool = Coordinator.pools(draft_addresses, target_addresses, settings)
+    draft_pool, target_pool = replica_pools(draft_addresses, target_addresses, settings)
     core = Coordinator(store, draft_pool, target_pool, settings, metrics)
     core.start()
     running = await start_server(

@@ -13,18 +13,17 @@ from __future__ import annotations
 import json
 import time
 from array import array
-from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from specdec.rpc.convert import check_session_id
-from specdec.rpc.serving import Aborted, NotFound, Unavailable
+from specdec.errors import Aborted, NotFound, Unavailable
+from specdec.sessions import check_session_id
+from coordinator.records import STORE_DOWN, SessionRecord
 
 KEY_PREFIX = "specdec:session:"
 # What a client sees while Redis is unreachable: ours, never the driver's exception.
-STORE_DOWN = "the session store is unreachable: try again shortly"
 
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -58,22 +57,6 @@ def unpack_tokens(data: bytes) -> list[int]:
 
 
 assert array("i").itemsize == 4 and int.from_bytes(array("i", [1]).tobytes(), "little") == 1
-
-
-@dataclass
-class SessionRecord:
-    session_id: str
-    prompt_len: int
-    tokens: list[int]  # prompt + generated
-    params: dict  # sampling, max_tokens, stop, eos, method, k
-    status: str = "running"
-    finish_reason: str = ""
-    version: int = 0
-    stats: dict = field(default_factory=dict)
-
-    @property
-    def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
 
 
 class SessionStore:

@@ -15,20 +15,27 @@ from typing import Optional, Sequence
 
 import torch
 
-from specdec.errors import InvalidRequest
+from specdec.errors import InvalidRequest, NotFound
 from specdec.kv_stack import split_cache, stack_caches
 from specdec.lm import CausalLM
 from specdec.proposers.draft_model import DraftModelProposer, common_prefix_len
 from specdec.rpc.batching import MicroBatcher
-from specdec.rpc.convert import check_token_ids, step_seed, token_digest
 from specdec.rpc.metrics import ServiceMetrics
 from specdec.rpc.session_table import SessionTable
-from specdec.rpc.serving import NotFound
 from specdec.sampling import make_generator
+from specdec.sessions import check_token_ids, step_seed, token_digest
 from specdec.types import ProposeContext, SamplingParams
 from specdec.verify import load_committed
 
 _DRAFT_SALT = 0x5EED
+
+
+def _draft_generator(sampling: SamplingParams, committed_len: int) -> torch.Generator:
+    """A session's draft randomness at one position: from its own seed and position only, so its
+    drafts (and its output) do not depend on the sessions it shares a batch with. Salted so the
+    draft's draws are not the target's (which come from the same seed and position)."""
+    seed = None if sampling.seed is None else sampling.seed ^ _DRAFT_SALT
+    return make_generator(step_seed(seed, committed_len))
 
 
 @dataclass(frozen=True)
@@ -162,8 +169,9 @@ class DraftCore:
         """Draft for several sessions in one batched proposer: their caches are stacked into it
         and split back afterwards."""
         ks = tuple(j.k + (1 if j.with_guess else 0) for j in jobs)
+        generators = None if sampling.greedy else tuple(_draft_generator(sampling, len(j.session.tokens)) for j in jobs)
         ctx = ProposeContext(row_ids=tuple(range(len(jobs))), token_ids=tuple(tuple(j.session.tokens) for j in jobs),
-                             k=ks, sampling=sampling)
+                             k=ks, sampling=sampling, generators=generators)
         if len(jobs) == 1:
             proposer = jobs[0].session.proposer  # row 0 of its own proposer
         else:
@@ -172,9 +180,6 @@ class DraftCore:
             proposer.cache = stack_caches([p.cache for p in owned], self.draft.new_cache)
             proposer.cached_tokens = [list(p.cached_tokens[0]) for p in owned]
             proposer.row_ids = ctx.row_ids
-        if not sampling.greedy:
-            proposer.generator = make_generator(step_seed(None if sampling.seed is None else sampling.seed ^ _DRAFT_SALT,
-                                                          len(jobs[0].session.tokens)))
         proposals = proposer.propose(ctx)
         if len(jobs) > 1:
             for j, row, toks in zip(jobs, split_cache(proposer.cache, self.draft.new_cache), proposer.cached_tokens):

@@ -7,6 +7,7 @@ from specdec.rpc import convert
 from specdec.rpc.metrics import ServiceMetrics
 from specdec.rpc.serving import RunningServer, ServerSettings, start_server
 from specdec.rpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specdec.sessions import check_session_id
 from draft_service.core import DraftCore, DraftSettings
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -22,12 +23,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                     max_positions=lm.max_positions, max_k=self.core.settings.max_k)
 
     async def Prefill(self, request, context):
-        sid = convert.check_session_id(request.session_id)
+        sid = check_session_id(request.session_id)
         return common_pb2.PrefillResponse(cached_len=await self.core.prefill(sid, request.token_ids))
 
     async def Propose(self, request, context):
         pos = request.position
-        sid = convert.check_session_id(pos.session_id)
+        sid = check_session_id(pos.session_id)
         sampling = convert.sampling_from_pb(request.sampling)
         res = await self.core.propose(sid, pos.committed_len, pos.new_token_ids, pos.committed_digest, request.k,
                                       sampling, request.with_guess)
@@ -39,7 +40,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return reply
 
     async def Release(self, request, context):
-        sid = convert.check_session_id(request.session_id)
+        sid = check_session_id(request.session_id)
         return common_pb2.ReleaseResponse(released=self.core.release(sid))
 
 

@@ -1,5 +1,7 @@
-"""Error types the core raises for problems a user can fix. Front ends (CLI, gRPC) turn them
-into one-line messages or status codes; anything else is a bug and keeps its traceback."""
+"""Error types the core raises for problems a user can fix, and for the states a service's core
+refuses (unknown session, overload, a dependency down). Front ends (CLI, gRPC) turn them into
+one-line messages or status codes at the edge (specdec/rpc/serving.py maps them, clients.py
+maps status codes back); anything else is a bug and keeps its traceback."""
 
 
 class SpecdecError(Exception):
@@ -16,3 +18,27 @@ class ModelLoadError(SpecdecError):
 
 class IncompatibleModels(SpecdecError):
     """A draft (or heads) that does not fit the target, e.g. a different vocabulary."""
+
+
+class NotFound(SpecdecError):
+    """An unknown (or evicted, or stale) session."""
+
+
+class Overloaded(SpecdecError):
+    """Too much work queued, or a request too large to serve."""
+
+
+class Unavailable(SpecdecError):
+    """A dependency is down or did not answer in time."""
+
+
+class FailedPrecondition(SpecdecError):
+    """The request is valid but cannot be served in the current state (e.g. a method not loaded)."""
+
+
+class Aborted(SpecdecError):
+    """A concurrent writer won (e.g. a session continued elsewhere)."""
+
+
+class RemoteError(SpecdecError):
+    """A service failed in a way the caller cannot fix (INTERNAL, UNKNOWN, ...)."""

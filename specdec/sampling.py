@@ -7,7 +7,7 @@ therefore share one code path in the acceptance rules; the loop only takes the c
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -47,6 +47,11 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     flat = probs.reshape(-1, probs.shape[-1])  # [rows, vocab]
     ids = torch.multinomial(flat, 1, generator=generator).squeeze(-1)  # [rows]
     return ids.reshape(probs.shape[:-1])
+
+
+def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """probs [rows, vocab] -> token ids [rows], row b drawn from generators[b] alone."""
+    return torch.stack([sample(row, gen) for row, gen in zip(probs, generators)])
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

@@ -8,6 +8,7 @@ the target; the *recovered* token is sampled from the residual at the first reje
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -87,6 +88,9 @@ class ProposeContext:
     # last-layer hidden state [hidden] at the token before the last committed one, i.e. the
     # state whose logits produced the last committed token.
     target_hidden: Optional[tuple[torch.Tensor, ...]] = None
+    # Sampling proposers only: per row, the generator that row's samples come from, so a seeded
+    # row drafts the same tokens whatever rows share its batch. None: the proposer's own generator.
+    generators: Optional[tuple[torch.Generator, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,13 @@ class Proposal:
         return self.parents is None
 
 
+class DraftKind(enum.Enum):
+    """How drafted tokens were chosen, which under sampling picks the acceptance rule."""
+
+    DETERMINISTIC = "deterministic"  # argmax or lookup drafts: a one-hot draft distribution
+    SAMPLED = "sampled"  # sampled from draft_probs, which rejection sampling then needs
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What the target decided for one sequence in one step."""
@@ -174,3 +185,48 @@ class GenerationResult:
     token_ids: tuple[int, ...]  # generated tokens only (EOS included when it ended the sequence)
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     stats: GenerationStats
+
+
+# --- what the services answer (specdec/rpc/clients.py builds these from the wire) -------------
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A service's model facts (its Info call)."""
+
+    name: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_positions: int
+    max_k: int
+    methods: tuple[str, ...] = ()
+    tokenizer_files: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    """The draft service's answer to Propose."""
+
+    token_ids: tuple[int, ...]
+    draft_probs: Optional[torch.Tensor]  # [k, vocab], sampling only
+    guess: Optional[int]  # the draft's guess of the token after the block (pipelining)
+    kind: DraftKind = DraftKind.DETERMINISTIC  # SAMPLED when drafted under sampling (with draft_probs)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The target service's answer to Verify: one step of the session."""
+
+    emitted: tuple[int, ...]
+    num_accepted: int
+    num_drafted: int
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """The target service's answer to Decode: several steps with a target-side method."""
+
+    emitted: tuple[int, ...]
+    method: str
+    target_forwards: int
+    num_drafted: int
+    num_accepted: int

@@ -35,11 +35,14 @@ class VerifyJob:
     sampling: SamplingParams
     generator: torch.Generator
     want_hidden: bool = False
+    # The row id the proposal was made under (ProposeContext.row_ids); the Verdict carries it
+    # back, since a proposer's observe() finds its per-row state by that id, not by batch slot.
+    row_id: int = 0
 
 
 @dataclass(frozen=True)
 class StepOutcome:
-    verdict: Verdict  # row_id is the job's index
+    verdict: Verdict  # row_id is the job's row_id
     hidden: Optional[torch.Tensor] = None  # [hidden] target state that produced the last emitted token
 
 
@@ -91,7 +94,7 @@ def verify_step(target: CausalLM, jobs: Sequence[VerifyJob]) -> list[StepOutcome
         keep[i, 0] = True
         keep[i, [p + 1 for p in path]] = True
         m = len(prop.aux.token_ids) if prop.aux is not None else 0
-        verdict = Verdict(row_id=i, num_drafted=n, num_accepted=len(path),
+        verdict = Verdict(row_id=job.row_id, num_drafted=n, num_accepted=len(path),
                           emitted=tuple(prop.token_ids[p] for p in path) + (nxt,),
                           aux_logits=logits[i, n + 1 : n + 1 + m] if m else None)
         hidden = out.hidden[i, path[-1] + 1 if path else 0] if job.want_hidden else None

@@ -21,23 +21,24 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from specdec.errors import InvalidRequest
+from specdec.errors import FailedPrecondition, InvalidRequest, NotFound
 from specdec.lm import CausalLM
 from specdec.proposers.base import Proposer
 from specdec.proposers.draft_model import common_prefix_len
 from specdec.rpc.batching import MicroBatcher
-from specdec.rpc.convert import check_token_ids, step_seed, token_digest
 from specdec.rpc.metrics import ServiceMetrics
 from specdec.rpc.session_table import SessionTable
-from specdec.rpc.serving import FailedPrecondition, NotFound
 from specdec.sampling import make_generator
-from specdec.types import Proposal, ProposeContext, SamplingParams
+from specdec.sessions import check_token_ids, step_seed, token_digest
+from specdec.types import DraftKind, Proposal, ProposeContext, SamplingParams
 from specdec.verify import VerifyJob, load_committed, verify_step
 
 log = logging.getLogger("target_service")
 
 # Decode(method="") picks the first of these that is loaded.
 FALLBACK_ORDER = ("medusa", "lookahead", "plain")
+# Each session's target-side proposer holds that one session, as its row 0.
+SESSION_ROW = 0
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
 
@@ -87,6 +88,26 @@ class StepResult:
     emitted: tuple[int, ...]
     num_accepted: int
     num_drafted: int
+
+
+def check_draft(kind: Optional[DraftKind], k: int, draft_probs: Optional[torch.Tensor],
+                sampling: SamplingParams) -> Optional[torch.Tensor]:
+    """A Verify's draft as the acceptance rule needs it: -> draft_probs [k, vocab], or None for a
+    deterministic draft. Under sampling the kind must be said rather than guessed from whether
+    probabilities came along: a sampled draft verified as one-hot still yields the target's
+    distribution (any token fixed before the target's draws is a valid one-hot draft) but is kept
+    with probability target_probs[x] instead of min(1, target_probs[x] / draft_probs[x]), so a
+    client that lost its probabilities would only see its acceptance collapse, silently."""
+    if sampling.greedy or k == 0:
+        return None  # greedy acceptance and a plain step never read a draft distribution
+    if kind is None:
+        raise InvalidRequest("draft_kind is required when sampling: DETERMINISTIC for argmax or lookup drafts, "
+                             "SAMPLED (with draft_probs) for sampled ones")
+    if kind is DraftKind.SAMPLED and draft_probs is None:
+        raise InvalidRequest("a SAMPLED draft needs its draft_probs when sampling (rejection sampling reads them)")
+    if kind is DraftKind.DETERMINISTIC and draft_probs is not None:
+        raise InvalidRequest("a DETERMINISTIC draft carries no draft_probs")
+    return draft_probs
 
 
 def _engine_view(target: CausalLM, tokenizer) -> SimpleNamespace:
@@ -191,13 +212,13 @@ class TargetCore:
                 needs_hidden = bool(getattr(st.proposer, "needs_hidden", False))
                 # A proposer that reads the target's hidden state waits for one plain step when it is unknown.
                 if st.proposer is not None and st.proposer_k > 0 and not (needs_hidden and sess.hidden is None):
-                    ctx = ProposeContext(row_ids=(0,), token_ids=(tuple(sess.tokens),), k=(st.proposer_k,),
+                    ctx = ProposeContext(row_ids=(SESSION_ROW,), token_ids=(tuple(sess.tokens),), k=(st.proposer_k,),
                                          sampling=st.sampling, target_hidden=(sess.hidden,) if needs_hidden else None)
                     proposal = st.proposer.propose(ctx)[0]
                 seed = step_seed(st.sampling.seed, len(sess.tokens))
                 jobs.append(VerifyJob(cache=sess.cache, root=sess.tokens[-1], proposal=proposal,
                                       sampling=st.sampling, generator=make_generator(seed),
-                                      want_hidden=self.needs_hidden))
+                                      want_hidden=self.needs_hidden, row_id=SESSION_ROW))
                 where.append(i)
             except Exception as exc:  # noqa: BLE001 - one bad session must not fail the batch
                 results[i] = exc
@@ -215,13 +236,14 @@ class TargetCore:
 
     # --- RPC bodies ------------------------------------------------------------------------
     async def verify(self, session_id: str, pos: Position, draft_ids: Sequence[int],
-                     draft_probs: Optional[torch.Tensor], sampling: SamplingParams) -> StepResult:
+                     draft_probs: Optional[torch.Tensor], sampling: SamplingParams,
+                     draft_kind: Optional[DraftKind]) -> StepResult:
+        """draft_kind None: the caller did not say (refused under sampling, see check_draft)."""
         if len(draft_ids) > self.settings.max_k:
             raise InvalidRequest(f"at most {self.settings.max_k} draft tokens per Verify, got {len(draft_ids)}")
         self._check_position(pos.committed_len, pos.new_token_ids, len(draft_ids))
         ids = tuple(self._check_tokens(draft_ids, "draft token ids"))
-        if draft_probs is not None and sampling.greedy:
-            draft_probs = None  # greedy acceptance never reads them
+        draft_probs = check_draft(draft_kind, len(ids), draft_probs, sampling)
         sess = self._session(session_id)
         async with sess.lock:
             res = await self.batcher.submit(_Step(sess, pos, ids, draft_probs, sampling))

@@ -9,13 +9,14 @@ from specdec.rpc import convert
 from specdec.rpc.metrics import ServiceMetrics
 from specdec.rpc.serving import RunningServer, ServerSettings, start_server
 from specdec.rpc.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specdec.sessions import check_session_id
 from target_service.core import Position, TargetCore, TargetSettings
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
 def _position(msg: common_pb2.SessionPosition) -> tuple[str, Position]:
-    sid = convert.check_session_id(msg.session_id)
+    sid = check_session_id(msg.session_id)
     return sid, Position(msg.committed_len, tuple(msg.new_token_ids), msg.committed_digest)
 
 
@@ -30,7 +31,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                     methods=self.core.available_methods(), max_k=self.core.settings.max_k)
 
     async def Prefill(self, request, context):
-        sid = convert.check_session_id(request.session_id)
+        sid = check_session_id(request.session_id)
         return common_pb2.PrefillResponse(cached_len=await self.core.prefill(sid, request.token_ids))
 
     async def Verify(self, request, context):
@@ -40,7 +41,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         probs = None
         if not sampling.greedy and request.HasField("draft_probs"):
             probs = convert.draft_probs_from_pb(request.draft_probs, k, self.core.target.vocab_size)
-        res = await self.core.verify(sid, pos, request.draft_token_ids, probs, sampling)
+        res = await self.core.verify(sid, pos, request.draft_token_ids, probs, sampling,
+                                     convert.draft_kind_from_pb(request.draft_kind))
         return target_pb2.VerifyResponse(emitted_token_ids=res.emitted, num_accepted=res.num_accepted,
                                          num_drafted=res.num_drafted)
 
@@ -53,7 +55,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                          num_accepted=out["num_accepted"])
 
     async def Release(self, request, context):
-        sid = convert.check_session_id(request.session_id)
+        sid = check_session_id(request.session_id)
         return common_pb2.ReleaseResponse(released=self.core.release(sid))
 
 

@@ -15,7 +15,7 @@ import torch
 
 from specdec.lm import CausalLM
 from specdec.proposers.base import register
-from specdec.sampling import logits_to_probs, make_generator, sample
+from specdec.sampling import logits_to_probs, make_generator, sample, sample_rows
 from specdec.types import Proposal, ProposeContext, Verdict
 
 
@@ -73,7 +73,7 @@ class DraftModelProposer:
                 tok = logits.argmax(-1)  # [batch]
             else:
                 p = logits_to_probs(logits, ctx.sampling)  # [batch, vocab]
-                tok = sample(p, self.generator)
+                tok = sample(p, self.generator) if ctx.generators is None else sample_rows(p, ctx.generators)  # [batch]
                 probs.append(p)
             drafted.append(tok)
             if step + 1 < k_max:

@@ -16,8 +16,8 @@ import concurrent.futures
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Optional, Sequence, TypeVar
 
+from specdec.errors import Overloaded
 from specdec.rpc.metrics import ServiceMetrics
-from specdec.rpc.serving import Overloaded
 
 T = TypeVar("T")
 

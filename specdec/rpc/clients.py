@@ -10,28 +10,24 @@ that already applied a call rolls back to that length before doing it again.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Optional, Sequence
 
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.errors import InvalidRequest, SpecdecError
+from specdec.errors import (Aborted, FailedPrecondition, InvalidRequest, NotFound, Overloaded, RemoteError, SpecdecError,
+                            Unavailable)
 from specdec.rpc import convert
-from specdec.rpc.serving import (DEFAULT_MAX_MESSAGE_BYTES, Aborted, FailedPrecondition, NotFound, Overloaded,
-                                 Unavailable, channel_options)
+from specdec.rpc.serving import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from specdec.rpc.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, target_pb2,
                             target_pb2_grpc)
-from specdec.types import SamplingParams
+from specdec.types import DecodeResult, DraftBlock, DraftKind, ModelInfo, SamplingParams, VerifyResult
 
 
 class DeadlineExceeded(Unavailable):
     """The call did not finish before its deadline."""
-
-
-class RemoteError(SpecdecError):
-    """The service failed in a way the caller cannot fix (INTERNAL, UNKNOWN, ...)."""
 
 
 _ERRORS = {
@@ -101,44 +97,10 @@ class ServiceClient:
         await self.channel.close()
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    max_positions: int
-    max_k: int
-    methods: tuple[str, ...] = ()
-    tokenizer_files: dict[str, bytes] = field(default_factory=dict)
-
-
 def _info_from(msg: common_pb2.ModelInfo) -> ModelInfo:
     return ModelInfo(name=msg.name, vocab_size=msg.vocab_size, eos_token_ids=tuple(msg.eos_token_ids),
                      max_positions=msg.max_positions, max_k=msg.max_k, methods=tuple(msg.methods),
                      tokenizer_files=dict(msg.tokenizer_files))
-
-
-@dataclass(frozen=True)
-class DraftBlock:
-    token_ids: tuple[int, ...]
-    draft_probs: Optional[torch.Tensor]  # [k, vocab], sampling only
-    guess: Optional[int]  # the draft's guess of the token after the block (pipelining)
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    emitted: tuple[int, ...]
-    num_accepted: int
-    num_drafted: int
-
-
-@dataclass(frozen=True)
-class DecodeResult:
-    emitted: tuple[int, ...]
-    method: str
-    target_forwards: int
-    num_drafted: int
-    num_accepted: int
 
 
 class DraftClient(ServiceClient):
@@ -164,7 +126,9 @@ class DraftClient(ServiceClient):
         if reply.HasField("draft_probs"):
             probs = convert.draft_probs_from_pb(reply.draft_probs, len(reply.token_ids),
                                                 vocab_size or reply.draft_probs.vocab_size)
-        return DraftBlock(tuple(reply.token_ids), probs, reply.guess if reply.HasField("guess") else None)
+        # The draft service drafts by argmax under greedy settings and samples otherwise.
+        kind = DraftKind.DETERMINISTIC if sampling.greedy else DraftKind.SAMPLED
+        return DraftBlock(tuple(reply.token_ids), probs, reply.guess if reply.HasField("guess") else None, kind)
 
     async def release(self, session_id: str) -> bool:
         req = common_pb2.ReleaseRequest(session_id=session_id)
@@ -184,9 +148,11 @@ class TargetClient(ServiceClient):
         return (await self._call(self.stub.Prefill, req, self.deadlines.prefill)).cached_len
 
     async def verify(self, session_id: str, committed: Sequence[int], known_len: int, draft_ids: Sequence[int],
-                     draft_probs: Optional[torch.Tensor], sampling: SamplingParams) -> VerifyResult:
+                     draft_probs: Optional[torch.Tensor], sampling: SamplingParams,
+                     draft_kind: DraftKind) -> VerifyResult:
         req = target_pb2.VerifyRequest(position=convert.position_to_pb(session_id, committed, known_len),
-                                       draft_token_ids=list(draft_ids), sampling=convert.sampling_to_pb(sampling))
+                                       draft_token_ids=list(draft_ids), sampling=convert.sampling_to_pb(sampling),
+                                       draft_kind=convert.draft_kind_to_pb(draft_kind))
         if draft_probs is not None:
             req.draft_probs.CopyFrom(convert.draft_probs_to_pb(draft_probs))
         reply = await self._call(self.stub.Verify, req, self.deadlines.verify)

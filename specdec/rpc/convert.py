@@ -7,41 +7,15 @@ float32 values exactly, so rejection sampling on the target sees the draft's own
 
 from __future__ import annotations
 
-import hashlib
-import re
-from array import array
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 from specdec.errors import InvalidRequest
-from specdec.rpc.v1 import common_pb2
-from specdec.types import SamplingParams
-
-SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
-
-
-def check_session_id(session_id: str) -> str:
-    """Session ids become Redis keys and log fields: 8-64 characters of [A-Za-z0-9_-], nothing else."""
-    if not isinstance(session_id, str) or not SESSION_ID.match(session_id):
-        raise InvalidRequest("malformed session id: expected 8-64 characters of A-Z a-z 0-9 _ -")
-    return session_id
-
-
-def token_digest(token_ids: Sequence[int]) -> int:
-    """A 64-bit digest of a token list: a service checks it before trusting its cached state."""
-    data = array("q", (int(t) for t in token_ids)).tobytes()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-
-
-def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str = "token ids") -> list[int]:
-    ids = [int(t) for t in token_ids]
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequest(f"{what} outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-    return ids
-
+from specdec.rpc.v1 import common_pb2, target_pb2
+from specdec.sessions import check_token_ids, token_digest
+from specdec.types import DraftKind, SamplingParams
 
 # --- sampling ----------------------------------------------------------------------------------
 
@@ -57,13 +31,24 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
                           seed=msg.seed if msg.HasField("seed") else None)
 
 
-def step_seed(seed: Optional[int], committed_len: int) -> Optional[int]:
-    """A seeded session draws each step's randomness from (seed, position), so its samples do not
-    depend on which replica served which step, on restarts, or on retries."""
-    if seed is None:
+# --- draft kinds ------------------------------------------------------------------------------
+
+_DRAFT_KINDS = {DraftKind.DETERMINISTIC: target_pb2.DRAFT_KIND_DETERMINISTIC,
+                DraftKind.SAMPLED: target_pb2.DRAFT_KIND_SAMPLED}
+
+
+def draft_kind_to_pb(kind: DraftKind) -> int:
+    return _DRAFT_KINDS[kind]
+
+
+def draft_kind_from_pb(value: int) -> Optional[DraftKind]:
+    """-> the kind, or None when the caller left it unspecified."""
+    if value == target_pb2.DRAFT_KIND_UNSPECIFIED:
         return None
-    data = int(seed).to_bytes(16, "little", signed=True) + int(committed_len).to_bytes(8, "little")
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+    for kind, pb in _DRAFT_KINDS.items():
+        if pb == value:
+            return kind
+    raise InvalidRequest(f"unknown draft_kind {value}")
 
 
 # --- session positions -------------------------------------------------------------------------

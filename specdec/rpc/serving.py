@@ -28,32 +28,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specdec.errors import IncompatibleModels, InvalidRequest, ModelLoadError, SpecdecError
+from specdec.errors import (Aborted, FailedPrecondition, IncompatibleModels, InvalidRequest, ModelLoadError, NotFound,
+                            Overloaded, SpecdecError, Unavailable)
 from specdec.rpc.metrics import ServiceMetrics
 
 log = logging.getLogger("specdec.rpc")
 
 DEFAULT_MAX_MESSAGE_BYTES = 32 << 20
-
-
-class NotFound(SpecdecError):
-    """An unknown (or evicted, or stale) session."""
-
-
-class Overloaded(SpecdecError):
-    """Too much work queued, or a request too large to serve."""
-
-
-class Unavailable(SpecdecError):
-    """A dependency is down or did not answer in time."""
-
-
-class FailedPrecondition(SpecdecError):
-    """The request is valid but cannot be served in the current state (e.g. a method not loaded)."""
-
-
-class Aborted(SpecdecError):
-    """A concurrent writer won (e.g. a session continued elsewhere)."""
 
 
 _STATUS = (

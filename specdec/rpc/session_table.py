@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from typing import Callable, Generic, Iterator, TypeVar
 
-from specdec.rpc.serving import NotFound
+from specdec.errors import NotFound
 
 log = logging.getLogger("specdec.rpc")
 S = TypeVar("S")

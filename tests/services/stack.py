@@ -14,6 +14,7 @@ from draft_service.core import DraftSettings
 from draft_service.servicer import start_draft_server
 from specdec.lm import CausalLM
 from specdec.rpc.clients import CoordinatorClient
+from specdec.rpc.metrics import ServiceMetrics
 from specdec.rpc.serving import RunningServer, ServerSettings
 from target_service.core import TargetSettings
 from target_service.servicer import start_target_server
@@ -90,6 +91,12 @@ def save_char_tokenizer(directory) -> str:
                           "{% if add_generation_prompt %}assistant:{% endif %}")
     fast.save_pretrained(str(directory))
     return str(directory)
+
+
+def mean_batch_size(metrics: ServiceMetrics) -> float:
+    """Sessions per model forward so far, from a service's batch-size histogram."""
+    samples = {s.name.rsplit("_", 1)[-1]: s.value for s in metrics.batch_size.collect()[0].samples}
+    return samples["sum"] / samples["count"]
 
 
 def run(coro, timeout: float = 120.0):

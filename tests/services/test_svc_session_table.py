@@ -2,7 +2,7 @@
 
 import pytest
 
-from specdec.rpc.serving import NotFound
+from specdec.errors import NotFound
 from specdec.rpc.session_table import SessionTable
 
 

@@ -6,9 +6,10 @@ import uuid
 
 import pytest
 
-from coordinator.sessions import SessionRecord, SessionStore, pack_tokens, unpack_tokens
+from coordinator.records import SessionRecord
+from coordinator.sessions import SessionStore, pack_tokens, unpack_tokens
 from specdec.errors import InvalidRequest
-from specdec.rpc.serving import Aborted, NotFound, Unavailable
+from specdec.errors import Aborted, NotFound, Unavailable
 from tests.services.stack import run
 
 

@@ -4,11 +4,13 @@ and every service serves health, reflection and Prometheus metrics."""
 from __future__ import annotations
 
 import ast
+import graphlib
 import os
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Optional
 
 import grpc
 import pytest
@@ -19,6 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from specdec.errors import InvalidRequest
 from specdec.rpc import convert
 from specdec.rpc.serving import ServerSettings
+from specdec.sessions import check_session_id, token_digest
 from specdec.types import SamplingParams
 from target_service.servicer import start_target_server
 from tests.services.stack import run
@@ -66,6 +69,68 @@ def test_only_specdec_rpc_imports_grpc_and_nothing_in_specdec_imports_redis():
     assert not offenders, offenders
 
 
+def _core_modules() -> list[str]:
+    """Every module of the core (specdec outside specdec/rpc/), entry points aside."""
+    names = []
+    for path in sorted((ROOT / "specdec").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[:2] == ("specdec", "rpc") or path.name == "__main__.py":
+            continue
+        names.append(".".join(rel.with_suffix("").parts).removesuffix(".__init__"))
+    return names
+
+
+# Imports each module in turn in a fresh interpreter and names the first one after which grpc,
+# protobuf or redis is loaded (a later offender would be hidden by an earlier one: fix and rerun).
+_LOADS = """
+import importlib, json, sys
+wire = ("grpc", "google.protobuf", "redis")
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+    loaded = [w for w in wire if w in sys.modules]
+    if loaded:
+        print(json.dumps([name, loaded]))
+        break
+"""
+
+
+@pytest.mark.parametrize("group", ["specdec", "draft_service.core", "target_service.core", "coordinator.core"])
+def test_the_core_and_each_services_core_load_neither_grpc_nor_redis(group):
+    modules = _core_modules() if group == "specdec" else [group]
+    out = subprocess.run([sys.executable, "-c", _LOADS, *modules], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    assert out == "", f"importing {out.strip()} loads the wire"
+
+
+def _first_party_imports() -> dict[str, set[str]]:
+    """module -> the first-party modules it imports anywhere (top level, functions, TYPE_CHECKING)."""
+    paths = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for pkg in ("specdec", "draft_service", "target_service", "coordinator") for p in (ROOT / pkg).rglob("*.py")}
+
+    def module_of(name: str) -> Optional[str]:  # "pkg.mod.attr" -> "pkg.mod"
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in paths.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {module_of(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {module_of(f"{node.module}.{a.name}") for a in node.names}
+        graph[name] = found - {None, name}
+    return graph
+
+
+def test_first_party_modules_import_one_another_without_a_circle():
+    try:
+        tuple(graphlib.TopologicalSorter(_first_party_imports()).static_order())
+    except graphlib.CycleError as exc:
+        pytest.fail(f"import circle: {' -> '.join(exc.args[1])}")
+
+
 def test_draft_probs_round_trip_exactly_sparse_and_dense():
     gen = torch.Generator().manual_seed(0)
     dense = torch.rand(3, 50, generator=gen).softmax(-1)  # full support: packed float32
@@ -86,17 +151,17 @@ def test_sampling_params_round_trip_with_and_without_a_seed():
 
 
 def test_session_ids_are_validated_strictly():
-    assert convert.check_session_id("abc-DEF_123") == "abc-DEF_123"
+    assert check_session_id("abc-DEF_123") == "abc-DEF_123"
     for bad in ("short", "has space in it", "../../etc/passwd", "a" * 65, "ключ-сессии-1", "x\ny" * 5, ""):
         with pytest.raises(InvalidRequest):
-            convert.check_session_id(bad)
+            check_session_id(bad)
 
 
 def test_token_digest_depends_on_every_token_and_the_order():
-    base = convert.token_digest([1, 2, 3])
-    assert base == convert.token_digest((1, 2, 3))
-    assert base != convert.token_digest([1, 2, 4]) and base != convert.token_digest([3, 2, 1])
-    assert base != convert.token_digest([1, 2, 3, 0])
+    base = token_digest([1, 2, 3])
+    assert base == token_digest((1, 2, 3))
+    assert base != token_digest([1, 2, 4]) and base != token_digest([3, 2, 1])
+    assert base != token_digest([1, 2, 3, 0])
 
 
 def test_a_service_serves_health_reflection_and_metrics(tiny_target):

@@ -25,21 +25,23 @@ _sym_db = _symbol_database.Default()
 from specdec.rpc.v1 import common_pb2 as specdec_dot_rpc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/rpc/v1/target.proto\x12\x0especdec.rpc.v1\x1a\x1bspecdec/rpc/v1/common.proto\"\xbe\x01\n\rVerifyRequest\x12\x31\n\x08position\x18\x01 \x01(\x0b\x32\x1f.specdec.rpc.v1.SessionPosition\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12/\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x1a.specdec.rpc.v1.DraftProbs\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.specdec.rpc.v1.SamplingParams\"V\n\x0eVerifyResponse\x12\x19\n\x11\x65mitted_token_ids\x18\x01 \x03(\x05\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\x05\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\x05\"\xb0\x01\n\rDecodeRequest\x12\x31\n\x08position\x18\x01 \x01(\x0b\x32\x1f.specdec.rpc.v1.SessionPosition\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.specdec.rpc.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\"\x7f\n\x0e\x44\x65\x63odeResponse\x12\x19\n\x11\x65mitted_token_ids\x18\x01 \x03(\x05\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x17\n\x0ftarget_forwards\x18\x03 \x01(\x05\x12\x13\n\x0bnum_drafted\x18\x04 \x01(\x05\x12\x14\n\x0cnum_accepted\x18\x05 \x01(\x05\x32\xf9\x02\n\rTargetService\x12>\n\x04Info\x12\x1b.specdec.rpc.v1.InfoRequest\x1a\x19.specdec.rpc.v1.ModelInfo\x12J\n\x07Prefill\x12\x1e.specdec.rpc.v1.PrefillRequest\x1a\x1f.specdec.rpc.v1.PrefillResponse\x12G\n\x06Verify\x12\x1d.specdec.rpc.v1.VerifyRequest\x1a\x1e.specdec.rpc.v1.VerifyResponse\x12G\n\x06\x44\x65\x63ode\x12\x1d.specdec.rpc.v1.DecodeRequest\x1a\x1e.specdec.rpc.v1.DecodeResponse\x12J\n\x07Release\x12\x1e.specdec.rpc.v1.ReleaseRequest\x1a\x1f.specdec.rpc.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/rpc/v1/target.proto\x12\x0especdec.rpc.v1\x1a\x1bspecdec/rpc/v1/common.proto\"\xed\x01\n\rVerifyRequest\x12\x31\n\x08position\x18\x01 \x01(\x0b\x32\x1f.specdec.rpc.v1.SessionPosition\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12/\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x1a.specdec.rpc.v1.DraftProbs\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.specdec.rpc.v1.SamplingParams\x12-\n\ndraft_kind\x18\x05 \x01(\x0e\x32\x19.specdec.rpc.v1.DraftKind\"V\n\x0eVerifyResponse\x12\x19\n\x11\x65mitted_token_ids\x18\x01 \x03(\x05\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\x05\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\x05\"\xb0\x01\n\rDecodeRequest\x12\x31\n\x08position\x18\x01 \x01(\x0b\x32\x1f.specdec.rpc.v1.SessionPosition\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.specdec.rpc.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\"\x7f\n\x0e\x44\x65\x63odeResponse\x12\x19\n\x11\x65mitted_token_ids\x18\x01 \x03(\x05\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x17\n\x0ftarget_forwards\x18\x03 \x01(\x05\x12\x13\n\x0bnum_drafted\x18\x04 \x01(\x05\x12\x14\n\x0cnum_accepted\x18\x05 \x01(\x05*]\n\tDraftKind\x12\x1a\n\x16\x44RAFT_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x44RAFT_KIND_DETERMINISTIC\x10\x01\x12\x16\n\x12\x44RAFT_KIND_SAMPLED\x10\x02\x32\xf9\x02\n\rTargetService\x12>\n\x04Info\x12\x1b.specdec.rpc.v1.InfoRequest\x1a\x19.specdec.rpc.v1.ModelInfo\x12J\n\x07Prefill\x12\x1e.specdec.rpc.v1.PrefillRequest\x1a\x1f.specdec.rpc.v1.PrefillResponse\x12G\n\x06Verify\x12\x1d.specdec.rpc.v1.VerifyRequest\x1a\x1e.specdec.rpc.v1.VerifyResponse\x12G\n\x06\x44\x65\x63ode\x12\x1d.specdec.rpc.v1.DecodeRequest\x1a\x1e.specdec.rpc.v1.DecodeResponse\x12J\n\x07Release\x12\x1e.specdec.rpc.v1.ReleaseRequest\x1a\x1f.specdec.rpc.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.rpc.v1.target_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_DRAFTKIND']._serialized_start=712
+  _globals['_DRAFTKIND']._serialized_end=805
   _globals['_VERIFYREQUEST']._serialized_start=77
-  _globals['_VERIFYREQUEST']._serialized_end=267
-  _globals['_VERIFYRESPONSE']._serialized_start=269
-  _globals['_VERIFYRESPONSE']._serialized_end=355
-  _globals['_DECODEREQUEST']._serialized_start=358
-  _globals['_DECODEREQUEST']._serialized_end=534
-  _globals['_DECODERESPONSE']._serialized_start=536
-  _globals['_DECODERESPONSE']._serialized_end=663
-  _globals['_TARGETSERVICE']._serialized_start=666
-  _globals['_TARGETSERVICE']._serialized_end=1043
+  _globals['_VERIFYREQUEST']._serialized_end=314
+  _globals['_VERIFYRESPONSE']._serialized_start=316
+  _globals['_VERIFYRESPONSE']._serialized_end=402
+  _globals['_DECODEREQUEST']._serialized_start=405
+  _globals['_DECODEREQUEST']._serialized_end=581
+  _globals['_DECODERESPONSE']._serialized_start=583
+  _globals['_DECODERESPONSE']._serialized_end=710
+  _globals['_TARGETSERVICE']._serialized_start=808
+  _globals['_TARGETSERVICE']._serialized_end=1185
 # @@protoc_insertion_point(module_scope)

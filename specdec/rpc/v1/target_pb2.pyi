@@ -1,5 +1,6 @@
 from specdec.rpc.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -7,17 +8,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DraftKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFT_KIND_UNSPECIFIED: _ClassVar[DraftKind]
+    DRAFT_KIND_DETERMINISTIC: _ClassVar[DraftKind]
+    DRAFT_KIND_SAMPLED: _ClassVar[DraftKind]
+DRAFT_KIND_UNSPECIFIED: DraftKind
+DRAFT_KIND_DETERMINISTIC: DraftKind
+DRAFT_KIND_SAMPLED: DraftKind
+
 class VerifyRequest(_message.Message):
-    __slots__ = ("position", "draft_token_ids", "draft_probs", "sampling")
+    __slots__ = ("position", "draft_token_ids", "draft_probs", "sampling", "draft_kind")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KIND_FIELD_NUMBER: _ClassVar[int]
     position: _common_pb2.SessionPosition
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _common_pb2.DraftProbs
     sampling: _common_pb2.SamplingParams
-    def __init__(self, position: _Optional[_Union[_common_pb2.SessionPosition, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.DraftProbs, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    draft_kind: DraftKind
+    def __init__(self, position: _Optional[_Union[_common_pb2.SessionPosition, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.DraftProbs, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_kind: _Optional[_Union[DraftKind, str]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("emitted_token_ids", "num_accepted", "num_drafted")

@@ -1,0 +1,21 @@
+"""The coordinator's settings: one frozen dataclass, built once at start-up (flags or TOML)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    session_ttl_s: int = 3600
+    default_max_tokens: int = 128
+    default_k: int = 4
+    max_k: int = 16
+    pipeline: bool = False  # draft block i+1 while block i is verified (see bench/services.py)
+    fallback_chunk: int = 8  # tokens per target-side Decode while the draft is out (then drafting is retried)
+    decode_chunk: int = 8  # tokens per Decode for target-side methods (also the streaming granularity)
+    propose_deadline_s: float = 5.0  # a Propose slower than this opens the draft's breaker
+    draft_cooldown_s: float = 1.0  # a failed draft replica stays out at least this long
+    probe_interval_s: float = 0.5  # health checks of every replica
+    target_wait_s: float = 30.0  # how long a session waits for a live target replica
+    max_active: int = 256  # concurrent runs; more are refused (RESOURCE_EXHAUSTED)
