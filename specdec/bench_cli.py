@@ -9,9 +9,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from specdec.backends import BACKENDS as _BACKENDS
 from specdec.errors import SpecdecError
 
-_BACKENDS = ("auto", "hf", "fast", "fast-bf16")
 
 
 def _csv(text: str) -> tuple[str, ...]:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from specdec.backends import BACKENDS
 from specdec.errors import SpecdecError
 
 
@@ -32,10 +33,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=None, help="draft for --method draft: a model directory sharing the target's vocabulary, or a "
                    "draft made by `specdec train draft` (default: the draft shipped for the target)")
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
-    p.add_argument("--backend", default="auto", choices=["auto", "hf", "fast", "fast-bf16"],
+    p.add_argument("--backend", default="auto", choices=list(BACKENDS),
                    help="how the target runs: hf (transformers, any model), fast (specdec's Llama forward, same "
-                        "outputs, faster on CPU), fast-bf16 (LOSSY: bfloat16 weights), auto (default: fast for "
-                        "Llama-family float32 models on CPU, else hf)")
+                        "outputs, faster on CPU), fast-bf16 (LOSSY: bfloat16 weights), llamacpp (the GGUF file on "
+                        "llama.cpp: its own quantized arithmetic), auto (default: fast for Llama-family float32 "
+                        "models on CPU, else hf)")
     p.add_argument("--heads", default=None, metavar="DIR",
                    help="Medusa heads directory for --method medusa (default: the heads shipped for the target)")
     p.add_argument("--tree", default=None,

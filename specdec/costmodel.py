@@ -93,7 +93,7 @@ def _timed_forward(lm, cache, ids: torch.Tensor, clock: Callable[[], float] = ti
     t0 = clock()
     out = lm.forward(cache, ids)
     out.logits.sum().item()  # make sure the work is done (also on asynchronous devices)
-    if cache.valid.device.type == "cuda":
+    if lm.device.type == "cuda":
         torch.cuda.synchronize()
     dt = clock() - t0
     cache.keep_last(torch.zeros(1, q, dtype=torch.bool))

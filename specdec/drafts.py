@@ -90,10 +90,16 @@ def attach_target_embeddings(model: torch.nn.Module, target: CausalLM) -> None:
 def share_target_embeddings(model: torch.nn.Module, target: CausalLM) -> None:
     """Make the draft use the target's input embeddings and output layer themselves (frozen at
     inference; no copy of the 28M-parameter table)."""
-    model.get_input_embeddings().weight = target.model.get_input_embeddings().weight
+    inputs, outputs = target.embedding_tables()
+    model.get_input_embeddings().weight = _frozen(inputs)
     if not getattr(model.config, "tie_word_embeddings", False):
-        model.get_output_embeddings().weight = target.model.get_output_embeddings().weight
+        model.get_output_embeddings().weight = _frozen(outputs)
     model.tie_weights()
+
+
+def _frozen(table: torch.Tensor) -> torch.nn.Parameter:
+    """The table itself when it is a module's parameter already (shared), else wrapped once."""
+    return table if isinstance(table, torch.nn.Parameter) else torch.nn.Parameter(table, requires_grad=False)
 
 
 def _own_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

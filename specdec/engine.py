@@ -59,17 +59,19 @@ def _load_draft(spec: Optional[str], target: LoadedModel, config: EngineConfig) 
     from specdec.drafts import is_draft_dir, load_draft, shipped_draft_path
 
     name = target.lm.name
+    # A draft runs on torch; over a llama.cpp target it shares the GGUF's (dequantized) embeddings.
+    backend = "auto" if config.backend == "llamacpp" else config.backend
     if spec is None:
         path = shipped_draft_path(name)
         if path is None:
             raise InvalidRequest(f"no draft is shipped for the target {name!r}: pass --draft DIR (a model sharing "
                                  "its vocabulary, or a draft made by `specdec train draft`)")
-        return LoadedModel(lm=load_draft(path, target.lm, target_name=name, backend=config.backend),
+        return LoadedModel(lm=load_draft(path, target.lm, target_name=name, backend=backend),
                            tokenizer=target.tokenizer, path=str(path))
     if is_draft_dir(Path(spec)):
-        lm = load_draft(Path(spec), target.lm, backend=config.backend)
+        lm = load_draft(Path(spec), target.lm, backend=backend)
         return LoadedModel(lm=lm, tokenizer=target.tokenizer, path=spec)
-    draft = load_model(spec, cache_dir=config.cache_dir, backend=config.backend)
+    draft = load_model(spec, cache_dir=config.cache_dir, backend=backend)
     check_compatible(target, draft)
     return draft
 

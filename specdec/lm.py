@@ -35,6 +35,8 @@ def scatter_subset_logits(sub: torch.Tensor, token_ids: torch.Tensor, vocab_size
 class CausalLM:
     """A transformers causal LM in eval mode, plus what the engine needs to know about it."""
 
+    returns_hidden = True  # forward(want_hidden=True) gives the last hidden state (Medusa heads read it)
+
     def __init__(self, model: torch.nn.Module, name: str = "model"):
         self.model = model.eval()
         self.name = name
@@ -53,6 +55,11 @@ class CausalLM:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    def embedding_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input embeddings, output layer), each [vocab, hidden]: what a draft built on this
+        target shares with it (specdec.drafts)."""
+        return self.model.get_input_embeddings().weight, self.model.get_output_embeddings().weight
 
     def cost_identity(self) -> dict:
         """What a forward's cost depends on, as JSON-ready values (the key under which measured

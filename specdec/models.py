@@ -114,11 +114,7 @@ def bake_default_target() -> Path:
     return ensure_default_target(cache_dir=baked_models_dir())
 
 
-# How the engine runs a loaded model: "hf" through transformers (any causal LM), "fast" through
-# specdec's own Llama forward (same weights, same outputs up to float rounding; faster on CPU),
-# "fast-bf16" the same with bfloat16 matmul weights (LOSSY relative to the float32 model),
-# "auto": "fast" for a float32 Llama-family model on CPU, "hf" for anything else.
-BACKENDS = ("auto", "hf", "fast", "fast-bf16")
+from specdec.backends import BACKENDS  # noqa: E402  (re-exported: how a loaded model runs)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -184,6 +180,8 @@ def load_model(spec: Optional[str] = None, *, cache_dir: Optional[Path] = None, 
     backend: one of BACKENDS."""
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "llamacpp" or (spec is not None and spec.endswith(".gguf")):
+        return load_gguf_model(spec, cache_dir=cache_dir, backend=backend)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if spec is None or spec == DEFAULT_TARGET:
@@ -203,6 +201,33 @@ def load_model(spec: Optional[str] = None, *, cache_dir: Optional[Path] = None, 
         tokenizer = None
     return LoadedModel(lm=wrap_model(model, os.path.basename(path.rstrip("/")) or path, backend),
                        tokenizer=tokenizer, path=path)
+
+
+def load_gguf_model(spec: Optional[str] = None, *, cache_dir: Optional[Path] = None,
+                    backend: str = "llamacpp") -> LoadedModel:
+    """A GGUF file on llama.cpp: spec None (or DEFAULT_TARGET) for the embedded default's file, or
+    a .gguf path. The tokenizer: the converted default's (when cached), else read from the GGUF
+    by transformers (None when it has no usable vocabulary, e.g. a test model)."""
+    from transformers import AutoTokenizer
+
+    from specdec.llamacpp import LlamaCppLM
+
+    if backend not in ("auto", "llamacpp"):
+        raise ModelLoadError(f"a GGUF file runs on backend llamacpp, not {backend!r}")
+    default = spec is None or spec == DEFAULT_TARGET
+    path = embedded_gguf_path() if default else Path(spec)
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    converted = (cache_dir or default_cache_dir()) / DEFAULT_TARGET
+    try:
+        if default and _is_model_dir(converted):
+            tokenizer = AutoTokenizer.from_pretrained(converted)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (OSError, ValueError, KeyError, TypeError):
+        tokenizer = None
+    name = DEFAULT_TARGET if default else path.stem
+    return LoadedModel(lm=LlamaCppLM(path, name=name), tokenizer=tokenizer, path=str(path))
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:

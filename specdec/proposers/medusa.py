@@ -142,6 +142,9 @@ class MedusaProposer:
 
 def heads_for_target(target_name: str, heads_dir: Optional[str], lm: CausalLM) -> MedusaHeads:
     """Load heads from heads_dir, or the ones shipped for the target; refuse a mismatch."""
+    if not lm.returns_hidden:
+        raise InvalidRequest(f"Medusa heads read the target's hidden states, which {type(lm).__name__} does not "
+                             "return: run the target on backend fast or hf")
     path = Path(heads_dir) if heads_dir else shipped_heads_dir(target_name)
     if path is None:
         raise ModelLoadError(f"no Medusa heads ship for target {target_name!r}: train some with "

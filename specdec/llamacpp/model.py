@@ -1,0 +1,305 @@
+"""A GGUF model run by llama.cpp (through `llama-cpp-python`'s low-level API) behind the engine's
+model interface: `new_cache`, `prefill`, `forward(cache, ids, block_mask, depth, input_valid,
+logits_at)`, the same shapes as specdec.lm.CausalLM.
+
+- The model's weights are loaded once; each cache is a llama.cpp context whose rows are
+  sequence ids with a KV stream each (`kv_unified = false`): no row's entries sit among
+  another's. Each row's block is its own `llama_decode` (see the limitations).
+- A block is fed with explicit positions (the row's length + depth); logits only where asked.
+- Rollback (`keep_last`, `truncate`) is `llama_memory_seq_rm` of the row's tail.
+
+Limitations, measured on this llama.cpp (llama-cpp-python 0.3.36): blocks are chains only. Tree
+blocks need several sequence ids over one KV buffer (`kv_unified`), and there a later input
+placed in a cell freed by a rejected branch, or by another row's rollback, got wrong logits
+(differences of 0.2-1.2 against the same tokens decoded in order; exact with separate streams),
+so Medusa and Lookahead trees stay on the torch backends. Rows of unequal lengths decoded in one
+`llama_decode` (several sequence ids, one KV stream each) also changed some rows' logits by up
+to 1.0 once a row held more than 32 inputs, so rows are decoded one after the other: batching
+across rows saves no weight reads on this backend yet. No hidden states (Medusa heads need
+them). The weights are the GGUF's own (quantized): outputs equal this backend's plain decoding,
+not transformers'.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import threading
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from specdec.errors import InvalidRequest, ModelLoadError
+from specdec.lm import ForwardOutput
+from specdec.llamacpp.blocks import NotATree, block_parents, kept_path_end
+
+
+def _lib():
+    try:
+        import llama_cpp
+    except ImportError as exc:  # a clear error instead of a traceback deep in the engine
+        raise ModelLoadError(f"the llama.cpp backend needs llama-cpp-python ({exc}): "
+                             "run scripts/bootstrap.sh, or use backend='fast' or 'hf'") from None
+    return llama_cpp
+
+
+_LOG_LOCK = threading.Lock()
+_LOG_SINK = None  # the ctypes callback must outlive every call into llama.cpp
+_ERRORS: list[str] = []
+
+
+def _quiet_logs(lib) -> None:
+    """llama.cpp logs every tensor it loads to stderr: keep only its errors, for our messages."""
+    global _LOG_SINK
+    with _LOG_LOCK:
+        if _LOG_SINK is not None:
+            return
+
+        def sink(level, text, _user):
+            if level >= 4:  # GGML_LOG_LEVEL_ERROR
+                _ERRORS.append(text.decode(errors="replace").strip())
+                del _ERRORS[:-20]
+
+        _LOG_SINK = lib.llama_log_callback(sink)
+        lib.llama_log_set(_LOG_SINK, ctypes.c_void_p())
+        lib.llama_backend_init()
+
+
+def _why() -> str:
+    return "; ".join(_ERRORS[-2:]) or "no detail"
+
+
+@dataclass(frozen=True)
+class _Input:
+    row: int  # also its sequence id
+    column: int
+    token: int
+    pos: int
+    logits: bool
+
+
+class LlamaCppCache:
+    """One llama.cpp context; row b is sequence id b with a KV stream of its own."""
+
+    def __init__(self, lm: "LlamaCppLM", batch_size: int):
+        lib = self.lib = lm.lib
+        params = lib.llama_context_default_params()
+        params.n_seq_max = max(batch_size, 1)
+        params.n_ctx = lm.max_positions * params.n_seq_max
+        params.n_batch = params.n_ubatch = lm.n_batch
+        params.kv_unified = False
+        params.n_threads = params.n_threads_batch = lm.threads
+        params.no_perf = True
+        self.ctx = lib.llama_init_from_model(lm.model_handle, params)
+        if not self.ctx:
+            raise ModelLoadError(f"llama.cpp could not make a context for {lm.name}: {_why()}")
+        self.mem = lib.llama_get_memory(self.ctx)
+        self.batch = lib.llama_batch_init(lm.n_batch, 0, 1)
+        self.seqs = list(range(batch_size))  # row -> its sequence id
+        self.length = [0] * batch_size  # tokens kept per row (= the next input's position)
+        # Per row, the columns of the last forward that were fed, until keep_last resolves them.
+        self.pending: list[list[int]] = [[] for _ in range(batch_size)]
+
+    def __del__(self):
+        lib = getattr(self, "lib", None)
+        if lib is None or not getattr(self, "ctx", None):
+            return
+        lib.llama_batch_free(self.batch)
+        lib.llama_free(self.ctx)
+        self.ctx = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[batch] tokens per row, the last forward's inputs included (they stay unless keep_last drops them)."""
+        return torch.tensor([n + len(p) for n, p in zip(self.length, self.pending)], dtype=torch.long)
+
+    def settle(self) -> None:
+        """Inputs not resolved by keep_last stay, as in every backend (plain decoding never calls it)."""
+        self.length = [n + len(p) for n, p in zip(self.length, self.pending)]
+        self.pending = [[] for _ in self.seqs]
+
+    def keep_last(self, keep: torch.Tensor) -> None:
+        """Keep, per row, the first inputs of the last forward marked in keep [batch, q] (a chain:
+        kept inputs are a prefix); drop the rest."""
+        for b, fed in enumerate(self.pending):
+            if not fed:
+                continue
+            flags = keep[b].tolist()
+            self.length[b] += kept_path_end(list(range(-1, len(fed) - 1)), [flags[i] for i in fed]) + 1
+            self.lib.llama_memory_seq_rm(self.mem, self.seqs[b], self.length[b], -1)
+            self.pending[b] = []
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Roll each row back to its first lengths[b] tokens."""
+        self.settle()
+        for b, n in enumerate(lengths.tolist()):
+            if n < self.length[b]:
+                self.lib.llama_memory_seq_rm(self.mem, self.seqs[b], int(n), -1)
+                self.length[b] = int(n)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these rows (e.g. drop finished sequences); rows [batch'] long."""
+        chosen = [int(r) for r in rows.tolist()]
+        for b, seq in enumerate(self.seqs):
+            if b not in chosen:
+                self.lib.llama_memory_seq_rm(self.mem, seq, -1, -1)
+        self.seqs = [self.seqs[b] for b in chosen]
+        self.length = [self.length[b] for b in chosen]
+        self.pending = [self.pending[b] for b in chosen]
+
+    def decode(self, items: list[_Input], vocab_size: int) -> dict[tuple[int, int], torch.Tensor]:
+        """One llama_decode of these inputs -> logits [vocab] of those that asked, by (row, column)."""
+        lib, batch = self.lib, self.batch
+        asked = {}
+        for j, item in enumerate(items):
+            batch.token[j] = item.token
+            batch.pos[j] = item.pos
+            batch.n_seq_id[j] = 1
+            batch.seq_id[j][0] = self.seqs[item.row]
+            batch.logits[j] = int(item.logits)
+            if item.logits:
+                asked[j] = (item.row, item.column)
+        batch.n_tokens = len(items)
+        rc = lib.llama_decode(self.ctx, batch)
+        if rc != 0:
+            why = "a row outgrew its context" if rc == 1 else f"llama_decode returned {rc}"
+            raise InvalidRequest(f"llama.cpp: {why} ({_why()})")
+        return {key: torch.from_numpy(np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, j),
+                                                            shape=(vocab_size,)).copy())
+                for j, key in asked.items()}
+
+
+class LlamaCppLM:
+    """A GGUF causal LM on llama.cpp. threads: llama.cpp's threads (default: torch's count, so
+    `--threads` means the same on every backend); context: tokens per row of a cache (default:
+    the model's training context, at most 4096: each row's KV stream is allocated whole)."""
+
+    returns_hidden = False  # see want_hidden in forward
+
+    def __init__(self, path: str | Path, name: Optional[str] = None, threads: Optional[int] = None,
+                 context: Optional[int] = None, n_batch: int = 512):
+        lib = self.lib = _lib()
+        _quiet_logs(lib)
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {self.path}")
+        self.name = name or self.path.stem
+        self.model_handle = lib.llama_model_load_from_file(str(self.path).encode(), lib.llama_model_default_params())
+        if not self.model_handle:
+            raise ModelLoadError(f"llama.cpp could not load {self.path}: {_why()}")
+        vocab = lib.llama_model_get_vocab(self.model_handle)
+        self.vocab_size = int(lib.llama_vocab_n_tokens(vocab))
+        self.max_positions = int(context or min(lib.llama_model_n_ctx_train(self.model_handle), 4096))
+        self.threads = int(threads or torch.get_num_threads())
+        self.n_batch = n_batch
+        eos = {int(lib.llama_vocab_eos(vocab)), int(lib.llama_vocab_eot(vocab))}
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(t for t in eos if t >= 0))
+        self._tables: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def __del__(self):
+        lib = getattr(self, "lib", None)
+        if lib is not None and getattr(self, "model_handle", None):
+            lib.llama_model_free(self.model_handle)
+            self.model_handle = None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32  # of the logits it returns
+
+    def embedding_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input embeddings, output layer) [vocab, hidden], dequantized from the GGUF to float32
+        once (a torch draft built on this target shares them, specdec.drafts)."""
+        if self._tables is None:
+            import gguf
+
+            reader = gguf.GGUFReader(str(self.path))
+            found = {t.name: t for t in reader.tensors if t.name in ("token_embd.weight", "output.weight")}
+            tables = {name: torch.from_numpy(np.ascontiguousarray(
+                gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(self.vocab_size, -1))
+                for name, t in found.items()}
+            inputs = tables["token_embd.weight"]
+            self._tables = (inputs, tables.get("output.weight", inputs))  # no output.weight: tied
+        return self._tables
+
+    def cost_identity(self) -> dict:
+        stat = self.path.stat()
+        with self.path.open("rb") as f:
+            head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
+        return {"impl": type(self).__qualname__, "name": self.name, "file_bytes": stat.st_size, "file_head": head,
+                "llama_cpp": metadata.version("llama_cpp_python"), "threads": self.threads}
+
+    def new_cache(self, batch_size: int) -> LlamaCppCache:
+        return LlamaCppCache(self, batch_size)
+
+    @torch.inference_mode()
+    def forward(self, cache: LlamaCppCache, input_ids: torch.Tensor, block_mask: Optional[torch.Tensor] = None,
+                depth: Optional[torch.Tensor] = None, input_valid: Optional[torch.Tensor] = None,
+                logits_at: Optional[torch.Tensor] = None, want_hidden: bool = False) -> ForwardOutput:
+        """As CausalLM.forward: input_ids [batch, q]; block_mask [batch, q, q] (causal chains only
+        here, see the module docstring); depth [batch, q]; input_valid [batch, q] (padding is not
+        fed); logits_at [m]: the only columns whose logits are returned."""
+        if want_hidden:
+            raise InvalidRequest(f"the llama.cpp backend returns no hidden states ({self.name}): "
+                                 "use backend fast or hf for Medusa heads")
+        batch, q = input_ids.shape
+        if batch != cache.batch_size:
+            raise ValueError(f"input rows {batch} != cache rows {cache.batch_size}")
+        cache.settle()
+        cols = list(range(q)) if logits_at is None else [int(c) for c in logits_at.tolist()]
+        want = set(cols)
+        items: list[_Input] = []
+        for b in range(batch):
+            fed = [i for i in range(q) if input_valid is None or bool(input_valid[b, i])]
+            _check_chain(block_mask, depth, b, fed)
+            items += [_Input(b, i, int(input_ids[b, i]), cache.length[b] + n, i in want) for n, i in enumerate(fed)]
+            cache.pending[b] = fed
+        logits = torch.zeros(batch, len(cols), self.vocab_size)
+        at = {c: j for j, c in enumerate(cols)}
+        for b in range(batch):  # one row per llama_decode: see the module docstring
+            row = [item for item in items if item.row == b]
+            for start in range(0, len(row), self.n_batch):
+                for (_, i), values in cache.decode(row[start : start + self.n_batch], self.vocab_size).items():
+                    logits[b, at[i]] = values
+        return ForwardOutput(logits=logits)
+
+    @torch.inference_mode()
+    def prefill(self, cache: LlamaCppCache, prompts: Sequence[Sequence[int]],
+                want_hidden: bool = False) -> ForwardOutput:
+        """Feed prompts of different lengths; logits [batch, vocab] at each row's last token."""
+        lens = torch.tensor([len(p) for p in prompts])
+        width = int(lens.max())
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = torch.tensor(list(p), dtype=torch.long)
+        valid = torch.arange(width)[None, :] < lens[:, None]  # [batch, width]
+        last = lens - 1
+        cols, inverse = torch.unique(last, return_inverse=True)
+        out = self.forward(cache, ids, input_valid=valid, logits_at=cols, want_hidden=want_hidden)
+        cache.settle()
+        return ForwardOutput(logits=out.logits[torch.arange(len(prompts)), inverse])
+
+
+def _check_chain(block_mask: Optional[torch.Tensor], depth: Optional[torch.Tensor], b: int, fed: list[int]) -> None:
+    """Refuse a block that is not a causal chain (see the module docstring for why)."""
+    if block_mask is not None:
+        try:
+            parents = block_parents(block_mask[b][fed][:, fed], len(fed))
+        except NotATree as exc:
+            raise InvalidRequest(f"the llama.cpp backend runs causal blocks only: {exc}") from None
+        if parents != list(range(-1, len(fed) - 1)):
+            raise InvalidRequest("the llama.cpp backend runs causal blocks only, not trees (Medusa, Lookahead): "
+                                 "use backend fast or hf")
+    if depth is not None and [int(depth[b, i]) for i in fed] != list(range(len(fed))):
+        raise InvalidRequest("the llama.cpp backend runs causal blocks only: depths must be 0, 1, 2, ...")

@@ -1,0 +1,50 @@
+"""The embedded target's own GGUF (Q4_1) on llama.cpp: every method's greedy output equals this
+backend's plain greedy output token for token (lossless relative to the backend that runs the
+target), batched and one at a time, with the shipped draft sharing the GGUF's embeddings."""
+
+import pytest
+
+from specdec.engine import Engine, EngineConfig
+from specdec.errors import InvalidRequest
+from specdec.types import StopConditions
+from tests.conftest import assert_greedy_equal
+from tests.integration.conftest import dev_prompts
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(EngineConfig(backend="llamacpp"))
+
+
+@pytest.fixture(scope="module")
+def cpp_prompts(engine):
+    return dev_prompts(engine.target.tokenizer, ("code", "summarization", "chat"))
+
+
+@pytest.fixture(scope="module")
+def cpp_plain(engine, cpp_prompts):
+    stop = StopConditions(max_new_tokens=32)
+    return [engine.generate_ids([p], "plain", stop=stop)[0] for p in cpp_prompts]
+
+
+def test_the_gguf_target_stops_where_the_converted_model_stops(engine, real):
+    assert set(real.lm.eos_token_ids) <= set(engine.target.lm.eos_token_ids)
+    assert engine.target.lm.vocab_size == real.lm.vocab_size
+
+
+@pytest.mark.parametrize("method,k", [("prompt-lookup", 4), ("prompt-lookup", "auto"), ("draft", 3), ("draft", "auto")])
+def test_every_method_on_llamacpp_equals_its_plain_decoding(engine, cpp_prompts, cpp_plain, method, k):
+    stop = StopConditions(max_new_tokens=32)
+    got = engine.generate_ids(cpp_prompts, method, stop=stop, k=k)  # the three prompts batched
+    for p, g, w in zip(cpp_prompts, got, cpp_plain):
+        assert_greedy_equal(engine.target.lm, p, g.token_ids, w.token_ids)
+    if k != "auto":
+        assert sum(g.stats.accepted for g in got) > 0, "nothing was accepted: rollback paths were not exercised"
+
+
+@pytest.mark.parametrize("method,why", [("medusa", "hidden states"), ("lookahead", "not trees")])
+def test_tree_methods_on_llamacpp_are_refused_with_a_clear_message(engine, cpp_prompts, method, why):
+    with pytest.raises(InvalidRequest, match=why):
+        engine.generate_ids(cpp_prompts[:1], method, stop=StopConditions(max_new_tokens=8))
