@@ -10,6 +10,7 @@ consumer of a run leaves before it finished, the run is cancelled and the sessio
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import tempfile
@@ -21,6 +22,7 @@ from specdec.errors import InvalidRequest
 from specdec.rpc.clients import DraftClient, ModelInfo, TargetClient
 from specdec.rpc.convert import check_session_id, check_token_ids
 from specdec.rpc.metrics import ServiceMetrics
+from specdec.rpc.security import ClientTLS
 from specdec.rpc.serving import FailedPrecondition, NotFound, Overloaded, Unavailable
 from specdec.stopping import StopChecker, cut_at_stop_string
 from specdec.types import SamplingParams, StopConditions
@@ -125,10 +127,12 @@ class Coordinator:
 
     @staticmethod
     def pools(draft_addresses: Sequence[str], target_addresses: Sequence[str], settings: CoordinatorSettings,
-              ) -> tuple[ReplicaPool, ReplicaPool]:
-        draft = ReplicaPool("draft", DraftClient, DRAFT_HEALTH, settings.draft_cooldown_s, settings.probe_interval_s)
-        target = ReplicaPool("target", TargetClient, TARGET_HEALTH, settings.draft_cooldown_s,
-                             settings.probe_interval_s)
+              tls: Optional[ClientTLS] = None) -> tuple[ReplicaPool, ReplicaPool]:
+        """`tls`: how to reach the replicas (the coordinator's client certificate for mutual TLS)."""
+        draft = ReplicaPool("draft", functools.partial(DraftClient, tls=tls), DRAFT_HEALTH, settings.draft_cooldown_s,
+                            settings.probe_interval_s)
+        target = ReplicaPool("target", functools.partial(TargetClient, tls=tls), TARGET_HEALTH,
+                             settings.draft_cooldown_s, settings.probe_interval_s)
         draft.set_addresses(draft_addresses)
         target.set_addresses(target_addresses)
         return draft, target

@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 
 from specdec.rpc import convert
 from specdec.rpc.metrics import ServiceMetrics
+from specdec.rpc.security import ClientTLS
 from specdec.rpc.serving import RunningServer, ServerSettings, start_server
 from specdec.rpc.v1 import coordinator_pb2, coordinator_pb2_grpc
 from coordinator.core import Coordinator, CoordinatorSettings, Prompt, Request
@@ -64,10 +65,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
 async def start_coordinator_server(redis_url: str, draft_addresses: Sequence[str], target_addresses: Sequence[str],
                                    server: ServerSettings = ServerSettings(max_message_bytes=PUBLIC_MAX_MESSAGE_BYTES),
-                                   settings: CoordinatorSettings = CoordinatorSettings()) -> RunningServer:
+                                   settings: CoordinatorSettings = CoordinatorSettings(),
+                                   upstream_tls: Optional[ClientTLS] = None,
+                                   redis_options: Optional[dict] = None) -> RunningServer:
+    """`upstream_tls`: TLS to the draft and target replicas (with the coordinator's client
+    certificate for mutual TLS); `redis_options`: redis-py connection settings beside the URL
+    (username, password, ssl_ca_certs, ...)."""
     metrics = ServiceMetrics("coordinator")
-    store = SessionStore(redis_url, ttl_s=settings.session_ttl_s)
-    draft_pool, target_pool = Coordinator.pools(draft_addresses, target_addresses, settings)
+    store = SessionStore(redis_url, ttl_s=settings.session_ttl_s, **(redis_options or {}))
+    draft_pool, target_pool = Coordinator.pools(draft_addresses, target_addresses, settings, upstream_tls)
     core = Coordinator(store, draft_pool, target_pool, settings, metrics)
     core.start()
     running = await start_server(
