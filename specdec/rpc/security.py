@@ -23,6 +23,7 @@ import hashlib
 import ipaddress
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -116,8 +117,6 @@ class TokenFile:
     `recheck_s` seconds). A file that cannot be read or parsed accepts nothing (fail closed)."""
 
     def __init__(self, path: str, recheck_s: float = 0.0, clock=None):
-        import time
-
         self.path = path
         self.recheck_s = recheck_s
         self._clock = clock or time.monotonic
