@@ -16,9 +16,18 @@
 --grace-period S       after SIGTERM: health NOT_SERVING, in-flight calls get S seconds (default 5)
 --config FILE          TOML with any of these settings, keys with underscores (redis_url = "...");
                        flags given on the command line override the file
+Security (README "Security"):
+--tls-cert F --tls-key F   TLS on the public port (plaintext is refused off loopback unless --insecure)
+--token-file F             accepted bearer token hashes (sha256 hex, one a line), re-read on change
+--upstream-ca F            TLS to the draft and target: the CA that signed their certificates
+--upstream-cert F --upstream-key F   the client certificate presented to them (mutual TLS)
+--upstream-server-name N   the name their certificates carry (the coordinator dials pod IPs)
+--redis-username U --redis-password-file F   Redis ACL user / password (or in the URL)
+--redis-tls-ca F [--redis-tls-cert F --redis-tls-key F]   for a rediss:// URL with a private CA
 Also: --host, --port, --metrics-port (-1: off), --pipeline, --propose-deadline-s, --max-k,
---max-message-bytes, --threads, --log-level.
-Serves grpc.health.v1 ("" and specdec.rpc.v1.Coordinator), reflection, and /metrics.
+--target-wait-s, --reflection, --health-port, --max-message-bytes, --threads, --log-level.
+Serves grpc.health.v1 ("" and specdec.rpc.v1.Coordinator; no token needed), reflection when
+--reflection is given, and /metrics.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from specdec.rpc.security import ClientTLS, SecurityConfigError, is_loopback
 from specdec.rpc.serving import (add_common_flags, apply_threads, parse_settings, run_service, serve_until_signal,
                                  server_settings)
 
@@ -52,8 +62,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=False,
                    help="draft the next block while the target verifies this one")
     p.add_argument("--propose-deadline-s", type=float, default=5.0)
+    p.add_argument("--target-wait-s", type=float, default=30.0,
+                   help="how long a session waits for a live target replica before UNAVAILABLE (default 30)")
     p.add_argument("--max-k", type=int, default=16)
+    p.add_argument("--token-file", default=None,
+                   help="file of accepted bearer token hashes (sha256 hex, one a line), re-read when it changes")
+    p.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=False,
+                   help="serve gRPC server reflection (default off)")
+    up = p.add_argument_group("TLS to the draft and target services")
+    up.add_argument("--upstream-ca", default=None, help="CA certificate that signed the draft's and target's")
+    up.add_argument("--upstream-cert", default=None, help="client certificate presented to them (mutual TLS)")
+    up.add_argument("--upstream-key", default=None, help="the private key of --upstream-cert")
+    up.add_argument("--upstream-server-name", default=None,
+                    help="name to check their certificates against (default: the host of each address)")
+    rd = p.add_argument_group("Redis credentials and TLS")
+    rd.add_argument("--redis-username", default=None, help="Redis ACL user (default: from the URL, or none)")
+    rd.add_argument("--redis-password-file", default=None, help="file holding the Redis password")
+    rd.add_argument("--redis-tls-ca", default=None, help="rediss://: CA certificate that signed Redis's")
+    rd.add_argument("--redis-tls-cert", default=None, help="rediss://: client certificate (if Redis asks for one)")
+    rd.add_argument("--redis-tls-key", default=None, help="rediss://: the private key of --redis-tls-cert")
     return p
+
+
+def upstream_tls(args: argparse.Namespace) -> Optional[ClientTLS]:
+    if not (args.upstream_ca or args.upstream_cert or args.upstream_key):
+        return None
+    return ClientTLS(ca=args.upstream_ca, cert=args.upstream_cert, key=args.upstream_key,
+                     server_name=args.upstream_server_name)
+
+
+def redis_options(args: argparse.Namespace) -> dict:
+    opts: dict = {}
+    if args.redis_username:
+        opts["username"] = args.redis_username
+    if args.redis_password_file:
+        try:
+            with open(args.redis_password_file, encoding="utf-8") as fh:
+                opts["password"] = fh.read().strip()
+        except OSError as exc:
+            raise SecurityConfigError(f"cannot read --redis-password-file: {exc.strerror}") from None
+    if args.redis_tls_ca or args.redis_tls_cert:
+        if not args.redis_url.startswith("rediss://"):
+            raise SecurityConfigError("--redis-tls-* need a rediss:// URL")
+        opts.update(ssl_ca_certs=args.redis_tls_ca, ssl_certfile=args.redis_tls_cert,
+                    ssl_keyfile=args.redis_tls_key)
+    return opts
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -63,11 +116,13 @@ async def _serve(args: argparse.Namespace) -> None:
     from coordinator.servicer import start_coordinator_server
 
     settings = CoordinatorSettings(session_ttl_s=args.session_ttl, pipeline=args.pipeline,
-                                   propose_deadline_s=args.propose_deadline_s, max_k=args.max_k)
+                                   propose_deadline_s=args.propose_deadline_s, max_k=args.max_k,
+                                   target_wait_s=args.target_wait_s)
     static = args.discovery == "static"
     drafts = parse_replicas(args.draft_replicas) if static and args.draft_replicas else []
     targets = parse_replicas(args.target_replicas) if static and args.target_replicas else []
-    running = await start_coordinator_server(args.redis_url, drafts, targets, server_settings(args), settings)
+    running = await start_coordinator_server(args.redis_url, drafts, targets, server_settings(args), settings,
+                                             upstream_tls=upstream_tls(args), redis_options=redis_options(args))
     watchers = []
     if not static:
         ns = args.namespace or (open(_NS_FILE).read().strip() if os.path.exists(_NS_FILE) else "default")
@@ -85,6 +140,14 @@ async def _serve(args: argparse.Namespace) -> None:
         w.stop()
 
 
+def _replica_hosts(args: argparse.Namespace) -> list[str]:
+    from coordinator.discovery import parse_replicas
+
+    addrs = [*(parse_replicas(args.draft_replicas) if args.draft_replicas else []),
+             *(parse_replicas(args.target_replicas) if args.target_replicas else [])]
+    return [a.rsplit(":", 1)[0] for a in addrs]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parse_settings(parser, argv)
@@ -92,6 +155,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--redis-url is required (e.g. redis://127.0.0.1:6379/0)")
     if args.discovery == "static" and not args.target_replicas:
         parser.error("static discovery needs --target-replicas host:port,...")
+    if upstream_tls(args) is None and not args.insecure:
+        try:
+            remote = [a for a in _replica_hosts(args) if not is_loopback(a)]
+        except (OSError, ValueError) as exc:
+            parser.error(f"bad replica list: {exc}")
+        if args.discovery != "static" or remote:
+            parser.error(f"plaintext to the draft/target replicas off loopback ({', '.join(remote) or args.discovery}"
+                         f"): give --upstream-ca (and --upstream-cert/--upstream-key), or --insecure")
     from specdec.errors import SpecdecError
 
     return run_service("coordinator", _serve, args, errors=(SpecdecError, ValueError))

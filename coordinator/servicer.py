@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Optional, Sequence
 
 from specdec.rpc import convert
 from specdec.rpc.metrics import ServiceMetrics
+from specdec.rpc.security import ClientTLS
 from specdec.rpc.serving import RunningServer, ServerSettings, start_server
 from specdec.rpc.v1 import coordinator_pb2, coordinator_pb2_grpc, draft_pb2, target_pb2
 from specdec.rpc.clients import DraftClient, TargetClient
@@ -68,10 +70,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
 
 def replica_pools(draft_addresses: Sequence[str], target_addresses: Sequence[str], settings: CoordinatorSettings,
-                  ) -> tuple[ReplicaPool, ReplicaPool]:
-    """The draft and target replica sets, each replica reached through its gRPC client."""
-    draft = ReplicaPool("draft", DraftClient, DRAFT_HEALTH, settings.draft_cooldown_s, settings.probe_interval_s)
-    target = ReplicaPool("target", TargetClient, TARGET_HEALTH, settings.draft_cooldown_s, settings.probe_interval_s)
+                  tls: Optional[ClientTLS] = None) -> tuple[ReplicaPool, ReplicaPool]:
+    """The draft and target replica sets, each replica reached through its gRPC client (`tls`: the
+    coordinator's client certificate for mutual TLS, and the CA it trusts)."""
+    draft = ReplicaPool("draft", functools.partial(DraftClient, tls=tls), DRAFT_HEALTH, settings.draft_cooldown_s,
+                        settings.probe_interval_s)
+    target = ReplicaPool("target", functools.partial(TargetClient, tls=tls), TARGET_HEALTH, settings.draft_cooldown_s,
+                         settings.probe_interval_s)
     draft.set_addresses(draft_addresses)
     target.set_addresses(target_addresses)
     return draft, target
@@ -79,10 +84,15 @@ def replica_pools(draft_addresses: Sequence[str], target_addresses: Sequence[str
 
 async def start_coordinator_server(redis_url: str, draft_addresses: Sequence[str], target_addresses: Sequence[str],
                                    server: ServerSettings = ServerSettings(max_message_bytes=PUBLIC_MAX_MESSAGE_BYTES),
-                                   settings: CoordinatorSettings = CoordinatorSettings()) -> RunningServer:
+                                   settings: CoordinatorSettings = CoordinatorSettings(),
+                                   upstream_tls: Optional[ClientTLS] = None,
+                                   redis_options: Optional[dict] = None) -> RunningServer:
+    """`upstream_tls`: TLS to the draft and target replicas (with the coordinator's client
+    certificate for mutual TLS); `redis_options`: redis-py connection settings beside the URL
+    (username, password, ssl_ca_certs, ...)."""
     metrics = ServiceMetrics("coordinator")
-    store = SessionStore(redis_url, ttl_s=settings.session_ttl_s)
-    draft_pool, target_pool = replica_pools(draft_addresses, target_addresses, settings)
+    store = SessionStore(redis_url, ttl_s=settings.session_ttl_s, **(redis_options or {}))
+    draft_pool, target_pool = replica_pools(draft_addresses, target_addresses, settings, upstream_tls)
     core = Coordinator(store, draft_pool, target_pool, settings, metrics)
     core.start()
     running = await start_server(

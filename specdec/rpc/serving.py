@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from specdec.errors import (Aborted, FailedPrecondition, IncompatibleModels, InvalidRequest, ModelLoadError, NotFound,
                             Overloaded, SpecdecError, Unavailable)
 from specdec.rpc.metrics import ServiceMetrics
+from specdec.rpc.security import SecurityConfigError, ServerTLS, TokenAuthInterceptor, TokenFile, check_plaintext_allowed
 
 log = logging.getLogger("specdec.rpc")
 
@@ -133,6 +134,12 @@ class ServerSettings:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     # Servers close connections after this long so clients re-resolve (Kubernetes DNS load balancing).
     max_connection_age_s: Optional[float] = None
+    tls: Optional[ServerTLS] = None  # None: plaintext, refused off loopback unless `insecure`
+    insecure: bool = False  # plaintext on a non-loopback address is meant (a trusted network)
+    token_file: Optional[str] = None  # accepted bearer token hashes (security.py); None: no tokens asked
+    reflection: bool = True
+    # A plaintext port serving only grpc.health.v1 (kubelet gRPC probes speak no TLS); None: none.
+    health_port: Optional[int] = None
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -145,6 +152,12 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
             ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
+# Servers let clients ping during calls as often as every second: a coordinator finds a link that
+# went dead under a long call by its keepalive pings (clients.py) instead of waiting out a deadline.
+KEEPALIVE_SERVER_OPTIONS = [("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+                            ("grpc.http2.max_ping_strikes", 0)]
+
+
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
@@ -154,6 +167,8 @@ class RunningServer:
     metrics: ServiceMetrics
     metrics_port: Optional[int] = None
     _metrics_http: Optional[object] = None
+    health_server: Optional[grpc.aio.Server] = None
+    health_port: Optional[int] = None
     on_stop: list[Callable[[], object]] = field(default_factory=list)
     _stopped: bool = False
 
@@ -175,6 +190,8 @@ class RunningServer:
         self._stopped = True
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         for fn in self.on_stop:
             res = fn()
             if asyncio.iscoroutine(res):
@@ -190,19 +207,30 @@ class RunningServer:
 async def start_server(settings: ServerSettings, add_servicers: Callable[[grpc.aio.Server], None],
                        service_names: Sequence[str], metrics: ServiceMetrics) -> RunningServer:
     """Start a grpc.aio server with health, reflection, the error interceptor and /metrics."""
-    options = channel_options(settings.max_message_bytes)
+    check_plaintext_allowed(settings.host, settings.tls, settings.insecure)
+    options = channel_options(settings.max_message_bytes) + KEEPALIVE_SERVER_OPTIONS
     if settings.max_connection_age_s:
         options.append(("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000)))
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(metrics)], options=options)
+    # Tokens are checked first: a refused call never reaches the handler (nor its metrics).
+    interceptors = [TokenAuthInterceptor(TokenFile(settings.token_file))] if settings.token_file else []
+    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor(metrics)], options=options)
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if settings.reflection:
+        reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{settings.host}:{settings.port}"
+    port = (server.add_secure_port(address, settings.tls.credentials()) if settings.tls
+            else server.add_insecure_port(address))
     if port == 0:
         raise Unavailable(f"cannot listen on {settings.host}:{settings.port}")
     await server.start()
     running = RunningServer(server, port, health_servicer, tuple(service_names), metrics)
+    if settings.health_port is not None:
+        running.health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, running.health_server)
+        running.health_port = running.health_server.add_insecure_port(f"{settings.host}:{settings.health_port}")
+        await running.health_server.start()
     if settings.metrics_port is not None:
         httpd, _ = metrics.serve_http(settings.host, settings.metrics_port)
         running._metrics_http = httpd
@@ -262,6 +290,20 @@ def add_common_flags(parser: argparse.ArgumentParser, port: int, metrics_port: i
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch intra-op threads for this process (default 0: torch's default, one per core)")
+    add_tls_flags(parser)
+
+
+def add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("transport security")
+    g.add_argument("--tls-cert", default=None, help="this service's TLS certificate chain (PEM); with --tls-key")
+    g.add_argument("--tls-key", default=None, help="the private key of --tls-cert (PEM)")
+    g.add_argument("--tls-client-ca", default=None,
+                   help="mutual TLS: refuse peers without a client certificate signed by this CA (PEM)")
+    g.add_argument("--insecure", action="store_true",
+                   help="allow plaintext on a non-loopback --host (default: refused without --tls-cert)")
+    g.add_argument("--health-port", type=int, default=None,
+                   help="also serve grpc.health.v1 alone, in plaintext, on this port (Kubernetes gRPC probes "
+                        "cannot speak TLS); default: none")
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -291,6 +333,8 @@ def run_service(name: str, serve: Callable[[argparse.Namespace], "asyncio.Future
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        s = server_settings(args)  # a bad TLS setting or plaintext off loopback: refused before loading a model
+        check_plaintext_allowed(s.host, s.tls, s.insecure)
         asyncio.run(serve(args))
     except errors as exc:
         print(f"{name}: error: {exc}", file=sys.stderr)
@@ -311,4 +355,16 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(host=args.host, port=args.port,
                           metrics_port=None if args.metrics_port is not None and args.metrics_port < 0
                           else args.metrics_port,
-                          grace_period=args.grace_period, max_message_bytes=args.max_message_bytes)
+                          grace_period=args.grace_period, max_message_bytes=args.max_message_bytes,
+                          tls=server_tls(args), insecure=args.insecure, health_port=args.health_port,
+                          token_file=getattr(args, "token_file", None), reflection=getattr(args, "reflection", True))
+
+
+def server_tls(args: argparse.Namespace) -> Optional[ServerTLS]:
+    if not args.tls_cert and not args.tls_key:
+        if args.tls_client_ca:
+            raise SecurityConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise SecurityConfigError("TLS needs both --tls-cert and --tls-key")
+    return ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca)

@@ -378,7 +378,7 @@ def check_ports(objs: list[Obj]) -> list[str]:
         if s.host not in ("0.0.0.0", "::", "[::]"):
             problems.append(f"{where}: listens on --host {s.host}, unreachable from other pods")
         ports = {p.get("name"): p["containerPort"] for p in r.container.get("ports") or []}
-        want = {"grpc": s.port, "metrics": s.metrics_port}
+        want = {"grpc": s.port, "metrics": s.metrics_port, "health": s.health_port}
         for pname, value in want.items():
             if value is None or value < 0:
                 continue
@@ -390,9 +390,12 @@ def check_ports(objs: list[Obj]) -> list[str]:
         for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = r.container.get(probe_name) or {}
             if "grpc" in probe:
-                if probe["grpc"].get("port") != s.port:
+                # Kubelet probes speak no TLS: with TLS on, they ask the plaintext health-only port.
+                probe_port = s.health_port if s.tls_cert and s.health_port is not None else s.port
+                if probe["grpc"].get("port") != probe_port:
                     problems.append(f"{where}: {probe_name} checks gRPC port {probe['grpc'].get('port')}, "
-                                    f"the role serves gRPC on {s.port}")
+                                    f"the role serves {'plaintext health' if probe_port != s.port else 'gRPC'} "
+                                    f"on {probe_port}")
                 service = probe["grpc"].get("service", "")
                 if service not in ("", r.role.health_name):
                     problems.append(f"{where}: {probe_name} asks health for {service!r}, the role reports "
@@ -401,6 +404,50 @@ def check_ports(objs: list[Obj]) -> list[str]:
         if ann.get("prometheus.io/scrape") == "true" and str(s.metrics_port) != ann.get("prometheus.io/port"):
             problems.append(f"{where}: prometheus.io/port is {ann.get('prometheus.io/port')}, "
                             f"metrics are served on {s.metrics_port}")
+    return problems
+
+
+SECRET_FILE_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "upstream_ca", "upstream_cert", "upstream_key",
+                     "token_file")
+
+
+def secret_mounted(w: Obj, container: dict, path: str) -> bool:
+    """Whether `path` lies in a Secret volume mounted whole (not by subPath: those never update)."""
+    volumes = {v["name"]: v for v in pod_spec(w).get("volumes") or []}
+    return any(path.startswith(m["mountPath"].rstrip("/") + "/") and "secret" in volumes.get(m["name"], {})
+               and not m.get("subPath") for m in container.get("volumeMounts") or [])
+
+
+def check_transport_security(objs: list[Obj]) -> list[str]:
+    """What the services refuse at start, refused here: plaintext off loopback without --insecure;
+    and both ends of a link agree (mutual TLS to draft and target, or plaintext on purpose)."""
+    running, problems = running_roles(objs)
+    tls_backends = []
+    for r in running:
+        where = f"{ref(r.workload)} container {r.container['name']}"
+        s = r.settings
+        if not s.tls_cert and not s.insecure:
+            problems.append(f"{where}: plaintext on --host {s.host} is refused without --insecure or --tls-cert")
+        for flag in SECRET_FILE_FLAGS:
+            path = getattr(s, flag, None)
+            if path and not secret_mounted(r.workload, r.container, path):
+                problems.append(f"{where}: --{flag.replace('_', '-')} {path} is not in a mounted Secret volume")
+        if r.role.module in ("draft_service", "target_service"):
+            tls_backends.append(bool(s.tls_cert))
+            if s.tls_cert and not s.tls_client_ca:
+                problems.append(f"{where}: TLS without --tls-client-ca accepts any client, not only the coordinator")
+    for r in running:
+        if r.role.module != "coordinator":
+            continue
+        s = r.settings
+        upstream = bool(s.upstream_ca or s.upstream_cert)
+        if any(b != upstream for b in tls_backends):
+            problems.append(f"{ref(r.workload)}: the coordinator speaks {'TLS' if upstream else 'plaintext'} to draft "
+                            f"and target, which serve {'TLS' if not upstream else 'plaintext'}")
+        if upstream and not s.upstream_cert:
+            problems.append(f"{ref(r.workload)}: no --upstream-cert: draft and target require a client certificate")
+        if s.tls_cert and not s.token_file:
+            problems.append(f"{ref(r.workload)}: TLS on the public port but no --token-file: anyone may call")
     return problems
 
 
@@ -856,7 +903,8 @@ def check_network(objs: list[Obj]) -> list[str]:
 
 
 CHECKS = (check_roles, check_namespace, check_selectors, check_ports, check_probes, check_termination, check_resources,
-          check_pdbs, check_security, check_config, check_hpas, check_discovery, check_redis, check_network)
+          check_pdbs, check_security, check_config, check_hpas, check_discovery, check_redis, check_network,
+          check_transport_security)
 
 
 def all_problems(objs: list[Obj]) -> list[str]:

@@ -16,7 +16,7 @@ from kubernetes_validate import utils as kv
 
 from tests.k8s.manifests import K8S, OVERLAYS, SCHEMA_VERSION, find_kubectl, kind, name, pod_spec
 
-VARIANTS = (*OVERLAYS, "gpu+external-redis")
+VARIANTS = (*OVERLAYS, "gpu+external-redis", "gpu+tls")
 
 
 def schema_errors(objs: list[dict]) -> list[str]:
@@ -136,3 +136,30 @@ def test_readme_deployment_section_matches_the_manifests(rendered):
     grace = {pod_spec(w)["terminationGracePeriodSeconds"] for w in kind(rendered["gpu"], "Deployment")}
     assert grace == {int(re.search(r"`terminationGracePeriodSeconds` is (\d+)", section).group(1))}
     assert f"Kubernetes {SCHEMA_VERSION.rsplit('.', 1)[0]}" in section
+
+
+def test_tls_component_mounts_certificates_and_tokens_from_secrets_and_moves_probes(rendered):
+    objs = rendered["gpu+tls"]
+    secrets = {}
+    for d in kind(objs, "Deployment"):
+        spec = pod_spec(d)
+        c = spec["containers"][0]
+        args = c["args"]
+        assert "--insecure" not in args, name(d)
+        assert args[args.index("--tls-cert") + 1].startswith("/etc/specdec-tls/"), name(d)
+        secrets[name(d)] = {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+        health = args[args.index("--health-port") + 1]
+        assert {c[p]["grpc"]["port"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} == {int(health)}
+    assert secrets == {"specdec-draft": {"specdec-draft-tls"}, "specdec-target": {"specdec-target-tls"},
+                       "specdec-coordinator": {"specdec-coordinator-tls", "specdec-tokens"}}
+    for n in ("specdec-draft", "specdec-target"):
+        assert "--tls-client-ca" in pod_spec(deployment(objs, n))["containers"][0]["args"]
+    coord = pod_spec(deployment(objs, "specdec-coordinator"))["containers"][0]["args"]
+    for flag in ("--upstream-ca", "--upstream-cert", "--upstream-key", "--upstream-server-name", "--token-file"):
+        assert flag in coord
+    # The names the coordinator checks are the names cert-manager's example certificates carry.
+    example = list(yaml.safe_load_all((K8S / "components" / "tls" / "cert-manager.example.yaml").read_text()))
+    certs = {c["spec"]["secretName"]: c["spec"] for c in example if c["kind"] == "Certificate"}
+    server_name = coord[coord.index("--upstream-server-name") + 1]
+    assert all(server_name in certs[f"specdec-{r}-tls"]["dnsNames"] for r in ("draft", "target"))
+    assert "client auth" in certs["specdec-coordinator-tls"]["usages"]

@@ -12,7 +12,7 @@ import draft_service.__main__ as draft_main
 from tests.k8s import manifests as m
 from tests.k8s.manifests import all_problems, kind, mutated, name, pod_spec
 
-VARIANTS = (*m.OVERLAYS, "gpu+external-redis")
+VARIANTS = (*m.OVERLAYS, "gpu+external-redis", "gpu+tls")
 
 
 def obj(objs, k, n):
@@ -340,3 +340,41 @@ def test_external_redis_without_an_egress_rule_is_reported(rendered):
         egress[:] = [r for r in egress if not any("ipBlock" in p and p["ipBlock"]["cidr"] != "0.0.0.0/0"
                                                   for p in r.get("to") or [])]
     assert_reported(problems_after(rendered["gpu+external-redis"], edit), "external Redis", "egress")
+
+
+# --- transport security (issue 16) --------------------------------------------------------------
+
+def test_plaintext_without_insecure_is_reported(cpu):
+    def edit(objs):
+        container(objs, "specdec-draft")["args"].remove("--insecure")
+    assert_reported(problems_after(cpu, edit), "specdec-draft", "plaintext on --host 0.0.0.0 is refused")
+
+
+def test_backends_without_a_client_ca_are_reported(rendered):
+    def edit(objs):
+        args = container(objs, "specdec-target")["args"]
+        i = args.index("--tls-client-ca")
+        del args[i:i + 2]
+    assert_reported(problems_after(rendered["gpu+tls"], edit), "specdec-target", "accepts any client")
+
+
+def test_a_coordinator_speaking_plaintext_to_tls_backends_is_reported(rendered):
+    def edit(objs):
+        args = container(objs, "specdec-coordinator")["args"]
+        for flag in ("--upstream-ca", "--upstream-cert", "--upstream-key"):
+            i = args.index(flag)
+            del args[i:i + 2]
+        args.append("--insecure")
+    assert_reported(problems_after(rendered["gpu+tls"], edit), "specdec-coordinator", "speaks plaintext")
+
+
+def test_a_certificate_outside_a_secret_volume_is_reported(rendered):
+    def edit(objs):
+        set_arg(container(objs, "specdec-draft"), "--tls-key", "/etc/specdec/draft.key")
+    assert_reported(problems_after(rendered["gpu+tls"], edit), "specdec-draft", "--tls-key", "mounted Secret")
+
+
+def test_tls_probes_on_the_tls_port_are_reported(rendered):
+    def edit(objs):
+        container(objs, "specdec-draft")["livenessProbe"]["grpc"]["port"] = 50061
+    assert_reported(problems_after(rendered["gpu+tls"], edit), "specdec-draft", "livenessProbe", "plaintext health")

