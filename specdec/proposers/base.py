@@ -14,15 +14,18 @@ from specdec.types import Proposal, ProposeContext, Verdict
 
 @runtime_checkable
 class Proposer(Protocol):
+    """Proposers may subclass this to inherit the defaults below."""
+
     name: str
+    # True: propose() reads ctx.target_hidden, so the loop keeps the target's last hidden state.
+    needs_hidden: bool = False
 
     def propose(self, ctx: ProposeContext) -> Sequence[Proposal]:
         """One proposal per row of ctx, in the same order; at most ctx.k[b] tokens deep."""
         ...
 
     def observe(self, verdicts: Sequence[Verdict]) -> None:
-        """The target's verdicts for the last proposals (same order)."""
-        ...
+        """The target's verdicts for the last proposals (same order). Default: nothing to learn."""
 
 
 PROPOSERS: dict[str, Callable[..., Proposer]] = {}

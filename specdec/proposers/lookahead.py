@@ -80,7 +80,7 @@ import torch
 
 from specdec.errors import InvalidRequest
 from specdec.ngram_pool import NgramPool
-from specdec.proposers.base import register
+from specdec.proposers.base import Proposer, register
 from specdec.types import AuxBlock, Proposal, ProposeContext, Verdict
 
 
@@ -189,7 +189,7 @@ class _Row:
 
 
 @register("lookahead")
-class LookaheadProposer:
+class LookaheadProposer(Proposer):
     name = "lookahead"
 
     def __init__(self, config: Optional[LookaheadConfig] = None, **overrides):

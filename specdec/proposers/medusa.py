@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import weakref
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -33,9 +33,9 @@ from specdec.costmodel import CostStore, verify_cost_at
 from specdec.errors import InvalidRequest, ModelLoadError
 from specdec.lm import CausalLM
 from specdec.medusa_heads import MedusaHeads, load_heads, shipped_heads_dir
-from specdec.proposers.base import register
+from specdec.proposers.base import Proposer, register
 from specdec.tree import CompiledTree, best_tree_for_cost, chain_tree, compile_tree, greedy_tree
-from specdec.types import Proposal, ProposeContext, Verdict
+from specdec.types import Proposal, ProposeContext
 
 AUTO_MAX_NODES = 64  # the automatic tree's size is chosen in 1..AUTO_MAX_NODES
 
@@ -84,7 +84,7 @@ def resolve_tree(spec, heads: MedusaHeads, target: Optional[CausalLM] = None,
 
 
 @register("medusa")
-class MedusaProposer:
+class MedusaProposer(Proposer):
     name = "medusa"
     needs_hidden = True
 
@@ -135,9 +135,6 @@ class MedusaProposer:
             rank = torch.tensor(tree.rank)  # [n]
             out.append(Proposal(token_ids=tuple(top[b, head, rank].tolist()), parents=tree.parents))
         return out
-
-    def observe(self, verdicts: Sequence[Verdict]) -> None:
-        pass
 
 
 def heads_for_target(target_name: str, heads_dir: Optional[str], lm: CausalLM) -> MedusaHeads:

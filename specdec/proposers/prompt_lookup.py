@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specdec.proposers.base import register
-from specdec.types import Proposal, ProposeContext, Verdict
+from specdec.proposers.base import Proposer, register
+from specdec.types import Proposal, ProposeContext
 
 
 def find_continuation(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> tuple[int, ...]:
@@ -29,7 +29,7 @@ def find_continuation(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngr
 
 
 @register("prompt_lookup")
-class PromptLookupProposer:
+class PromptLookupProposer(Proposer):
     name = "prompt_lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
@@ -41,6 +41,3 @@ class PromptLookupProposer:
     def propose(self, ctx: ProposeContext) -> list[Proposal]:
         return [Proposal(token_ids=find_continuation(toks, k, self.max_ngram, self.min_ngram))
                 for toks, k in zip(ctx.token_ids, ctx.k)]
-
-    def observe(self, verdicts: Sequence[Verdict]) -> None:
-        pass
