@@ -10,11 +10,11 @@ from specdec.errors import SpecdecError
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    from specdec.engine import METHODS
+    from specdec.proposers import method_names
 
     p = sub.add_parser("generate", help="decode one prompt and print the text and a stats line")
     p.add_argument("prompt", help="the user prompt (wrapped in the chat template unless --no-chat)")
-    p.add_argument("--method", default="plain", choices=list(METHODS), help="how tokens are proposed")
+    p.add_argument("--method", default="plain", choices=method_names(), help="how tokens are proposed")
     p.add_argument("--k", default="auto",
                    help="tokens drafted per step: a number, or auto (default: for draft and prompt-lookup, chosen "
                         "after every step from this machine's measured verify and draft costs and the running "

@@ -16,15 +16,14 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from specdec.decode import KSchedule, RowProgress
 from specdec.errors import FailedPrecondition, InvalidRequest, NotFound
 from specdec.lm import CausalLM
-from specdec.proposers.base import Proposer
+from specdec.proposers import PROPOSERS, Proposer, ProposerEnv, ProposerFactory, load_proposer
 from specdec.rpc.batching import MicroBatcher
 from specdec.rpc.metrics import ServiceMetrics
 from specdec.rpc.session_table import SessionTable
@@ -104,23 +103,10 @@ def check_draft(kind: Optional[DraftKind], k: int, draft_probs: Optional[torch.T
     return draft_probs
 
 
-def _engine_view(target: CausalLM, tokenizer) -> SimpleNamespace:
-    """What METHODS' builders read from an engine: the target and a default EngineConfig (no
-    draft: drafts live in the draft service)."""
-    from specdec.engine import EngineConfig, default_cost_store
-
-    def require_draft():
-        raise FailedPrecondition("the target service runs no draft model")
-    loaded = SimpleNamespace(lm=target, tokenizer=tokenizer, path=target.name)
-    config = EngineConfig()
-    return SimpleNamespace(target=loaded, draft=None, require_draft=require_draft, config=config,
-                           costs=default_cost_store(config))
-
-
 class TargetCore:
     def __init__(self, target: CausalLM, settings: TargetSettings = TargetSettings(),
                  metrics: Optional[ServiceMetrics] = None, tokenizer_dir: Optional[str] = None,
-                 methods: Optional[dict[str, Optional[Callable[[], Proposer]]]] = None):
+                 methods: Optional[dict[str, ProposerFactory]] = None):
         self.target = target
         self.settings = settings
         self.metrics = metrics or ServiceMetrics("target")
@@ -131,7 +117,7 @@ class TargetCore:
         self.prefills: OrderedDict[str, int] = OrderedDict()
         self.methods = methods if methods is not None else discover_methods(target)
         # Keep every session's last hidden state when a loaded method reads it (Medusa heads).
-        self.needs_hidden = any(getattr(build, "needs_hidden", False) for build in self.methods.values())
+        self.needs_hidden = any(make().needs_hidden for make in self.methods.values())
         self.batcher = MicroBatcher(self._run_steps, max_batch=settings.max_batch,
                                     window_s=settings.batch_window_ms / 1000, max_queue=settings.max_queue,
                                     metrics=self.metrics, expect_company=self.sessions.active_recently)
@@ -301,23 +287,21 @@ class TargetCore:
         await self.batcher.close()
 
 
-def discover_methods(target: CausalLM, tokenizer=None) -> dict[str, Callable[[], Proposer]]:
-    """Target-side methods from the engine's registry (specdec.engine.METHODS) that build here,
-    i.e. need no draft model: prompt lookup today, Medusa and Lookahead when registered (Medusa
-    only when its heads load)."""
-    from specdec.engine import METHODS
+def _no_draft() -> CausalLM:
+    raise FailedPrecondition("the target service runs no draft model")
 
-    view = _engine_view(target, tokenizer)
-    found: dict[str, Callable[[], Proposer]] = {}
-    for name, builder in METHODS.items():
-        if builder is None or name == "draft":
-            continue
+
+def discover_methods(target: CausalLM) -> dict[str, ProposerFactory]:
+    """The registered methods that load here, with the target alone (drafts live in the draft
+    service): prompt lookup and Lookahead, and Medusa when its heads load."""
+    from specdec.engine import EngineConfig, default_cost_store
+
+    config = EngineConfig()
+    env = ProposerEnv(target, config, default_cost_store(config), load_draft=_no_draft)
+    found: dict[str, ProposerFactory] = {}
+    for name in PROPOSERS:
         try:
-            probe = builder(view)
+            found[name] = load_proposer(name, env)
         except Exception as exc:  # noqa: BLE001 - a method that cannot load here is simply not offered
             log.info("decode method %s not available on this target: %s", name, str(exc).splitlines()[0][:200])
-            continue
-        build = (lambda b=builder: b(view))
-        build.needs_hidden = bool(getattr(probe, "needs_hidden", False))
-        found[name] = build
     return found

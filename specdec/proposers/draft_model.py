@@ -18,7 +18,7 @@ import torch
 from specdec.kv_cache import KVCache
 from specdec.kv_stack import split_cache, stack_caches
 from specdec.lm import CausalLM
-from specdec.proposers.base import Proposer, register
+from specdec.proposers.base import Proposer, ProposerEnv, ProposerFactory, register
 from specdec.sampling import logits_to_probs, sample_rows
 from specdec.types import Proposal, ProposeContext
 from specdec.verify import common_prefix_len, load_committed
@@ -80,9 +80,8 @@ class DraftRows:
             row.append(int(t))
 
 
-@register("draft_model")
 class DraftModelProposer(Proposer):
-    name = "draft_model"
+    name = "draft"
 
     def __init__(self, draft: CausalLM, rows: Optional[DraftRows] = None):
         """rows: the state to draft on (the draft service passes its sessions'); None: the
@@ -120,3 +119,9 @@ class DraftModelProposer(Proposer):
                      draft_probs=None if draft_probs is None else draft_probs[b, :k])
             for b, k in enumerate(ctx.k)
         ]
+
+
+@register("draft")
+def _load(env: ProposerEnv) -> ProposerFactory:
+    draft = env.load_draft()
+    return lambda: DraftModelProposer(draft)

@@ -80,7 +80,7 @@ import torch
 
 from specdec.errors import InvalidRequest
 from specdec.ngram_pool import NgramPool
-from specdec.proposers.base import Proposer, register
+from specdec.proposers.base import Proposer, ProposerEnv, ProposerFactory, register
 from specdec.types import AuxBlock, Proposal, ProposeContext, Verdict
 
 
@@ -188,7 +188,6 @@ class _Row:
     pending_levels: Optional[int] = None  # h of the window in flight (None: no window proposed)
 
 
-@register("lookahead")
 class LookaheadProposer(Proposer):
     name = "lookahead"
 
@@ -270,3 +269,8 @@ class LookaheadProposer(Proposer):
         advance = verdict.num_accepted + 1 if cfg.realign else 1
         row.levels = advance_window(row.levels, top_guess, advance, cfg.ngram - 1,
                                     lambda: self._context_token(row, refill_from))
+
+
+@register("lookahead")
+def _load(env: ProposerEnv) -> ProposerFactory:
+    return lambda: LookaheadProposer(env.config.lookahead)  # a window and a pool per request / session

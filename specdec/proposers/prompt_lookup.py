@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specdec.proposers.base import Proposer, register
+from specdec.proposers.base import Proposer, ProposerEnv, ProposerFactory, register
 from specdec.types import Proposal, ProposeContext
 
 
@@ -28,9 +28,8 @@ def find_continuation(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngr
     return ()
 
 
-@register("prompt_lookup")
 class PromptLookupProposer(Proposer):
-    name = "prompt_lookup"
+    name = "prompt-lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
@@ -41,3 +40,8 @@ class PromptLookupProposer(Proposer):
     def propose(self, ctx: ProposeContext) -> list[Proposal]:
         return [Proposal(token_ids=find_continuation(toks, k, self.max_ngram, self.min_ngram))
                 for toks, k in zip(ctx.token_ids, ctx.k)]
+
+
+@register("prompt-lookup")
+def _load(env: ProposerEnv) -> ProposerFactory:
+    return PromptLookupProposer

@@ -9,7 +9,6 @@ import torch
 from specdec.decode import plain_generate, speculative_generate
 from specdec.errors import InvalidRequest
 from specdec.models import tiny_llama
-from specdec.proposers import make_proposer
 from specdec.proposers.lookahead import (LookaheadConfig, LookaheadProposer, advance_window, build_trie, window_cells,
                                          window_mask, window_ngrams)
 from specdec.types import ProposeContext, SamplingParams, StopConditions
@@ -148,7 +147,7 @@ def test_lookahead_equals_plain_greedy(tiny_target, window, ngram, guess, k, bat
     stop = StopConditions(max_new_tokens=32)
     prompts = PROMPTS[:batch]
     want = plain_generate(tiny_target, prompts, stop=stop)
-    proposer = make_proposer("lookahead", window=window, ngram=ngram, guess=guess)
+    proposer = LookaheadProposer(window=window, ngram=ngram, guess=guess)
     got = speculative_generate(tiny_target, proposer, prompts, stop=stop, k=k)
     for p, g, w in zip(prompts, got, want):
         assert_greedy_equal(tiny_target, p, g.token_ids, w.token_ids)
