@@ -154,16 +154,6 @@ def test_lookahead_equals_plain_greedy(tiny_target, window, ngram, guess, k, bat
     assert max(g.stats.drafted for g in got) <= max(g.stats.target_forwards for g in got) * guess * (ngram - 1)
 
 
-def test_realigned_window_equals_plain_greedy(tiny_target):
-    stop = StopConditions(max_new_tokens=40)
-    want = plain_generate(tiny_target, PROMPTS, stop=stop)
-    got = speculative_generate(tiny_target, LookaheadProposer(window=4, ngram=3, guess=3, realign=True), PROMPTS,
-                               stop=stop, k=4)
-    for p, g, w in zip(PROMPTS, got, want):
-        assert_greedy_equal(tiny_target, p, g.token_ids, w.token_ids)
-    assert sum(g.stats.accepted for g in got) > 0
-
-
 def test_window_ngrams_alone_get_accepted(tiny_target):
     """Without pooling the context, every accepted token came from a Jacobi-window n-gram."""
     stop = StopConditions(max_new_tokens=60)
