@@ -39,9 +39,6 @@ class DraftSettings:
     batch_window_ms: float = 1.0
     max_k: int = 32
     max_queue: int = 256
-    # Benchmarks only: sleep this long per Propose (no CPU), standing in for a slower draft or a
-    # network hop, to measure what pipelining hides.
-    artificial_delay_ms: float = 0.0
 
 
 @dataclass
@@ -115,10 +112,7 @@ class DraftCore:
             raise InvalidRequest(f"the session would exceed the draft's context of {self.draft.max_positions} tokens")
         sess = self._session(session_id)
         async with sess.lock:
-            res = await self.batcher.submit(_Job(sess, committed_len, new_ids, digest, k, sampling, with_guess))
-        if self.settings.artificial_delay_ms > 0:
-            await asyncio.sleep(self.settings.artificial_delay_ms / 1000)
-        return res
+            return await self.batcher.submit(_Job(sess, committed_len, new_ids, digest, k, sampling, with_guess))
 
     # --- the model thread ------------------------------------------------------------------
     def _sync(self, job: _Job) -> list[int]:

@@ -50,9 +50,6 @@ class TargetSettings:
     batch_window_ms: float = 2.0  # how long the first request of a batch waits for company
     max_k: int = 32  # most drafted tokens per Verify
     max_queue: int = 256  # queued steps beyond this are refused (RESOURCE_EXHAUSTED)
-    # Benchmarks and tests only: sleep this long per step (no CPU), standing in for a busy GPU or a
-    # network hop, to measure what pipelining hides.
-    artificial_delay_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -113,7 +110,8 @@ class TargetCore:
         self.tokenizer_dir = tokenizer_dir
         self.sessions: SessionTable[TargetSession] = SessionTable(settings.max_sessions, TargetSession,
                                                                   self.metrics.sessions)
-        # Per session: how often it was (re)built here (the most recent sessions only; for tests and debugging).
+        # Per session id: how often it was (re)built here, kept past its release (the most recent
+        # ids only): the one per-session record of rebuilds, which the failover tests check.
         self.prefills: OrderedDict[str, int] = OrderedDict()
         self.methods = methods if methods is not None else discover_methods(target)
         # Keep every session's last hidden state when a loaded method reads it (Medusa heads).
@@ -231,13 +229,7 @@ class TargetCore:
         draft_probs = check_draft(draft_kind, len(ids), draft_probs, sampling)
         sess = self._session(session_id)
         async with sess.lock:
-            res = await self.batcher.submit(_Step(sess, pos, ids, draft_probs, sampling))
-        await self._delay()
-        return res
-
-    async def _delay(self) -> None:
-        if self.settings.artificial_delay_ms > 0:
-            await asyncio.sleep(self.settings.artificial_delay_ms / 1000)
+            return await self.batcher.submit(_Step(sess, pos, ids, draft_probs, sampling))
 
     def resolve_method(self, method: str) -> str:
         if not method:
@@ -270,7 +262,6 @@ class TargetCore:
                 k_step = progress.block_k() if proposer is not None else 0
                 verdict = await self.batcher.submit(_Step(sess, position, sampling=sampling, proposer=proposer,
                                                           proposer_k=k_step))
-                await self._delay()
                 position = None
                 progress.record(verdict)
         s = progress.stats
