@@ -132,6 +132,10 @@ class RowProgress:
     def committed(self) -> tuple[int, ...]:
         return self.prompt + tuple(self.checker.generated)
 
+    @property
+    def last_token(self) -> int:
+        return self.checker.generated[-1] if self.checker.generated else self.prompt[-1]
+
     def block_k(self) -> int:
         """Tokens to draft next: never more than still allowed (a block's bonus is one more)."""
         return min(self.k, self.checker.remaining - 1)
@@ -200,7 +204,7 @@ def plain_generate(
             _record_token(rows, b, next_token(logits[i], sampling, gens[b]), on_emit)
         active = _drop_finished(cache, active, rows, t0)
         if active:
-            last = torch.tensor([rows[b].checker.generated[-1] for b in active])  # [rows]
+            last = torch.tensor([rows[b].last_token for b in active])  # [rows]
             logits = target.forward(cache, last[:, None]).logits[:, -1]  # [rows, vocab]
     return _finish(rows)
 
@@ -242,7 +246,7 @@ def speculative_generate(
                              generators=tuple(draft_gens[b] for b in active))
         proposals = proposer.propose(ctx) if any(ctx.k) else [Proposal() for _ in active]
         # 2. score, 3. accept, 4. commit / roll back: one target forward for every row.
-        steps = [RowStep(rows[b].committed[-1], prop, sampling, target_gens[b], row_id=b)
+        steps = [RowStep(rows[b].last_token, prop, sampling, target_gens[b], row_id=b)
                  for b, prop in zip(active, proposals)]
         outcomes = verify_step(target, cache, steps, want_hidden)
         for out in outcomes:
