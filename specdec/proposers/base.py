@@ -14,14 +14,13 @@ take it from here. "plain" (no proposer) is the one method outside the registry.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
 
 from specdec.errors import InvalidRequest
 from specdec.types import Proposal, ProposeContext, Verdict
 
 if TYPE_CHECKING:
     from specdec.costmodel import CostStore
-    from specdec.engine import EngineConfig
     from specdec.lm import CausalLM
 
 PLAIN = "plain"
@@ -48,7 +47,9 @@ class ProposerEnv:
     """What a method's proposers are built from."""
 
     target: "CausalLM"
-    config: "EngineConfig"  # the user's method settings (medusa_heads, medusa_tree, lookahead)
+    # The user's method settings: specdec.engine.EngineConfig (medusa_heads, medusa_tree, lookahead),
+    # not imported here, since the engine builds on the proposers.
+    config: Any
     costs: "CostStore"  # this machine's measured costs, for automatic choices (the Medusa tree)
     # The draft model, loaded on first call; raises FailedPrecondition where none runs (the target service).
     load_draft: Callable[[], "CausalLM"]
