@@ -10,7 +10,7 @@ Measures, greedy, on dev prompts (one per category, chat template, first turn):
    own process on loopback, one session at a time;
 3. 8 concurrent sessions (aggregate tokens/s) vs one at a time;
 4. pipelining on vs off, without and with an artificial delay on every target step (a stand-in
-   for a busy GPU or a network hop: the target process sleeps, using no CPU).
+   for a busy GPU or a network hop: the target's model sleeps, using no CPU; bench/slow_service.py).
 Every run is checked token for token against plain decoding. Numbers are tokens/s of generated
 tokens, wall clock, including prompt processing.
 
@@ -118,7 +118,7 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--delay-ms", type=float, default=50.0, help="artificial delay per target step")
     ap.add_argument("--draft-delay-ms", type=float, default=0.0,
-                    help="artificial delay per Propose (a slower draft: what pipelining can hide)")
+                    help="artificial delay per drafted token (a slower draft: what pipelining can hide)")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--target", default=None, help="target directory (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--draft", default=None, help="draft directory (default: the draft service's default)")
@@ -155,10 +155,10 @@ def main() -> int:
     model_flags = (["--threads", str(args.threads)] if args.threads else []) + ["--backend", args.backend]
     runs: dict[str, list[dict]] = {}
     try:
-        draft_argv = ["-m", "draft_service", "--host", "127.0.0.1", "--port", str(ports["draft"]), "--metrics-port",
-                      "-1"] + (["--draft", args.draft] if args.draft else []) + model_flags
-        if args.draft_delay_ms:
-            draft_argv += ["--artificial-delay-ms", str(args.draft_delay_ms)]
+        slow = str(Path(__file__).with_name("slow_service.py"))
+        draft_run = [slow, "draft", "--delay-ms", str(args.draft_delay_ms)] if args.draft_delay_ms else ["-m", "draft_service"]
+        draft_argv = draft_run + ["--host", "127.0.0.1", "--port", str(ports["draft"]), "--metrics-port",
+                                  "-1"] + (["--draft", args.draft] if args.draft else []) + model_flags
         target_extra = (["--target", args.target] if args.target else []) + model_flags
         health = {"draft": "specdec.rpc.v1.DraftService", "target": "specdec.rpc.v1.TargetService",
                   "target_slow": "specdec.rpc.v1.TargetService"}
@@ -166,9 +166,9 @@ def main() -> int:
             "draft": procs.start(*draft_argv, log=logs / "draft.log"),
             "target": procs.start("-m", "target_service", "--host", "127.0.0.1", "--port", str(ports["target"]),
                                   "--metrics-port", "-1", *target_extra, log=logs / "target.log"),
-            "target_slow": procs.start("-m", "target_service", "--host", "127.0.0.1", "--port",
-                                       str(ports["target_slow"]), "--metrics-port", "-1", "--artificial-delay-ms",
-                                       str(args.delay_ms), *target_extra, log=logs / "target_slow.log"),
+            "target_slow": procs.start(slow, "target", "--delay-ms", str(args.delay_ms), "--host", "127.0.0.1",
+                                       "--port", str(ports["target_slow"]), "--metrics-port", "-1", *target_extra,
+                                       log=logs / "target_slow.log"),
         }
         coords = {"c_plain": ("target", False), "c_pipe": ("target", True), "c_slow": ("target_slow", False),
                   "c_slow_pipe": ("target_slow", True)}

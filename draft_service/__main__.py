@@ -13,7 +13,7 @@
 --device D / --dtype T  where the model runs: auto (default: a CUDA GPU if visible, else cpu) /
                       auto (float32 on cpu, bfloat16 on a GPU)
 Also: --host, --port, --metrics-port (-1: off), --max-batch, --batch-window-ms, --max-k,
---max-message-bytes, --threads, --log-level, --artificial-delay-ms (benchmarks: sleep per Propose).
+--max-message-bytes, --threads, --log-level.
 Serves grpc.health.v1 ("" and specdec.rpc.v1.DraftService), reflection, and /metrics.
 """
 
@@ -38,26 +38,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--batch-window-ms", type=float, default=1.0)
     p.add_argument("--max-k", type=int, default=32)
-    p.add_argument("--artificial-delay-ms", type=float, default=0.0,
-                   help="benchmarks only: sleep this long per Propose (a stand-in for a slower draft)")
     return p
 
 
-async def _serve(args: argparse.Namespace) -> None:
+def load_draft_model(args: argparse.Namespace):
+    """The draft model the flags name -> CausalLM."""
     apply_threads(args)
-    from draft_service.core import DraftSettings
     from draft_service.models import load_draft
-    from draft_service.servicer import start_draft_server
 
     device, dtype = model_placement(args)
-    draft = load_draft(args.draft, device=device, dtype=dtype, backend=args.backend)
+    return load_draft(args.draft, device=device, dtype=dtype, backend=args.backend)
+
+
+async def serve_draft(draft, args: argparse.Namespace) -> None:
+    """Serve this draft model (a CausalLM) with the flags' settings until SIGTERM."""
+    from draft_service.core import DraftSettings
+    from draft_service.servicer import start_draft_server
+
     settings = DraftSettings(max_sessions=args.max_sessions, max_batch=args.max_batch,
-                             batch_window_ms=args.batch_window_ms, max_k=args.max_k,
-                             artificial_delay_ms=args.artificial_delay_ms)
+                             batch_window_ms=args.batch_window_ms, max_k=args.max_k)
     running = await start_draft_server(draft, server_settings(args), settings)
     logging.getLogger("draft_service").info("draft service (%s) listening on %s:%d, metrics on %s", draft.name,
                                             args.host, running.port, running.metrics_port)
     await serve_until_signal(running, args.grace_period)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    await serve_draft(load_draft_model(args), args)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -16,26 +16,20 @@ from typing import Optional, Sequence
 import torch
 
 from specdec.errors import InvalidRequest, NotFound
-from specdec.kv_stack import split_cache, stack_caches
 from specdec.lm import CausalLM
-from specdec.proposers.draft_model import DraftModelProposer, common_prefix_len
+from specdec.proposers.draft_model import DraftModelProposer, DraftRows
 from specdec.rpc.batching import MicroBatcher
 from specdec.rpc.metrics import ServiceMetrics
 from specdec.rpc.session_table import SessionTable
-from specdec.sampling import make_generator
+from specdec.sampling import draft_seed, make_generator
 from specdec.sessions import check_token_ids, step_seed, token_digest
 from specdec.types import ProposeContext, SamplingParams
-from specdec.verify import load_committed
-
-_DRAFT_SALT = 0x5EED
 
 
 def _draft_generator(sampling: SamplingParams, committed_len: int) -> torch.Generator:
     """A session's draft randomness at one position: from its own seed and position only, so its
-    drafts (and its output) do not depend on the sessions it shares a batch with. Salted so the
-    draft's draws are not the target's (which come from the same seed and position)."""
-    seed = None if sampling.seed is None else sampling.seed ^ _DRAFT_SALT
-    return make_generator(step_seed(seed, committed_len))
+    drafts (and its output) do not depend on the sessions it shares a batch with."""
+    return make_generator(step_seed(draft_seed(sampling.seed), committed_len))
 
 
 @dataclass(frozen=True)
@@ -45,15 +39,12 @@ class DraftSettings:
     batch_window_ms: float = 1.0
     max_k: int = 32
     max_queue: int = 256
-    # Benchmarks only: sleep this long per Propose (no CPU), standing in for a slower draft or a
-    # network hop, to measure what pipelining hides.
-    artificial_delay_ms: float = 0.0
 
 
 @dataclass
 class DraftSession:
     session_id: str
-    proposer: DraftModelProposer
+    rows: DraftRows  # the session's draft KV cache (batch 1) and the tokens it holds
     tokens: list[int] = field(default_factory=list)  # the committed tokens the caller last named
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -83,21 +74,13 @@ class DraftCore:
         self.settings = settings
         self.metrics = metrics or ServiceMetrics("draft")
         self.sessions: SessionTable[DraftSession] = SessionTable(
-            settings.max_sessions, lambda sid: DraftSession(sid, self._new_proposer()), self.metrics.sessions)
+            settings.max_sessions, lambda sid: DraftSession(sid, DraftRows.empty(draft)), self.metrics.sessions)
         self.batcher = MicroBatcher(self._run, max_batch=settings.max_batch, window_s=settings.batch_window_ms / 1000,
                                     max_queue=settings.max_queue, metrics=self.metrics,
                                     expect_company=self.sessions.active_recently)
 
     def _session(self, session_id: str, create: bool = False) -> DraftSession:
         return self.sessions.get(session_id, create)
-
-    def _new_proposer(self) -> DraftModelProposer:
-        """A proposer holding one row (this session), with an empty cache."""
-        proposer = DraftModelProposer(self.draft)
-        proposer.cache = self.draft.new_cache(1)
-        proposer.cached_tokens = [[]]
-        proposer.row_ids = (0,)
-        return proposer
 
     def release(self, session_id: str) -> bool:
         return self.sessions.release(session_id)
@@ -111,13 +94,8 @@ class DraftCore:
         sess = self._session(session_id, create=True)
         async with sess.lock:
             def work():
-                # Compute the prompt's KV now (the caller overlaps this with the target's prefill);
-                # the proposer keeps what its cache shares with the tokens and feeds only the rest.
-                proposer = sess.proposer
-                keep = min(common_prefix_len(proposer.cached_tokens[0], ids), int(proposer.cache.lengths[0]))
-                proposer.cache.truncate(torch.tensor([keep]))
-                load_committed(self.draft, proposer.cache, ids)
-                proposer.cached_tokens = [list(ids[:-1])]
+                # Compute the prompt's KV now (the caller overlaps this with the target's prefill).
+                sess.rows.load(self.draft, ids)
                 sess.tokens = ids
             await self.batcher.run_alone(work)
         self.metrics.session_rebuilds.inc()
@@ -134,10 +112,7 @@ class DraftCore:
             raise InvalidRequest(f"the session would exceed the draft's context of {self.draft.max_positions} tokens")
         sess = self._session(session_id)
         async with sess.lock:
-            res = await self.batcher.submit(_Job(sess, committed_len, new_ids, digest, k, sampling, with_guess))
-        if self.settings.artificial_delay_ms > 0:
-            await asyncio.sleep(self.settings.artificial_delay_ms / 1000)
-        return res
+            return await self.batcher.submit(_Job(sess, committed_len, new_ids, digest, k, sampling, with_guess))
 
     # --- the model thread ------------------------------------------------------------------
     def _sync(self, job: _Job) -> list[int]:
@@ -166,25 +141,18 @@ class DraftCore:
         return results
 
     def _propose_group(self, jobs: Sequence[_Job], sampling: SamplingParams) -> list[DraftResult]:
-        """Draft for several sessions in one batched proposer: their caches are stacked into it
-        and split back afterwards."""
+        """Draft for several sessions in one batched forward."""
         ks = tuple(j.k + (1 if j.with_guess else 0) for j in jobs)
         generators = None if sampling.greedy else tuple(_draft_generator(sampling, len(j.session.tokens)) for j in jobs)
         ctx = ProposeContext(row_ids=tuple(range(len(jobs))), token_ids=tuple(tuple(j.session.tokens) for j in jobs),
                              k=ks, sampling=sampling, generators=generators)
-        if len(jobs) == 1:
-            proposer = jobs[0].session.proposer  # row 0 of its own proposer
-        else:
-            proposer = DraftModelProposer(self.draft)
-            owned = [j.session.proposer for j in jobs]
-            proposer.cache = stack_caches([p.cache for p in owned], self.draft.new_cache)
-            proposer.cached_tokens = [list(p.cached_tokens[0]) for p in owned]
-            proposer.row_ids = ctx.row_ids
-        proposals = proposer.propose(ctx)
+        # One session drafts on its own rows; several on their rows stacked, split back afterwards.
+        rows = jobs[0].session.rows if len(jobs) == 1 else DraftRows.stack([j.session.rows for j in jobs],
+                                                                           self.draft.new_cache)
+        proposals = DraftModelProposer(self.draft, rows).propose(ctx)
         if len(jobs) > 1:
-            for j, row, toks in zip(jobs, split_cache(proposer.cache, self.draft.new_cache), proposer.cached_tokens):
-                j.session.proposer.cache = row
-                j.session.proposer.cached_tokens = [toks]
+            for job, own in zip(jobs, rows.split(self.draft.new_cache)):
+                job.session.rows = own
         out = []
         for job, prop in zip(jobs, proposals):
             toks = prop.token_ids

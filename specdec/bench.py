@@ -4,7 +4,7 @@ One run loads the target once and decodes the same prompts with every method:
 - the peers, through transformers `generate`: plain greedy (the baseline users know), assisted
   generation with the same draft specdec uses (`assistant_model`), prompt lookup
   (`prompt_lookup_num_tokens`);
-- every method in specdec.engine.METHODS at run time (plain, draft, prompt-lookup, medusa,
+- every method in the registry (specdec.proposers.method_names()) at run time (plain, draft, prompt-lookup, medusa,
   lookahead, ...), on each requested backend;
 - anything registered with `register_method` (e.g. specdec through the services).
 
@@ -257,28 +257,25 @@ def method_label(method: str, backend: str, backends: Sequence[str]) -> str:
 
 def _specdec_runner(ctx: BenchContext, method: str, backend: str) -> Runner:
     from specdec.decode import plain_generate, speculative_generate
-    from specdec.engine import METHODS
 
     engine = ctx.engines[backend]
-    builder = METHODS[method]
-    if builder is not None:
-        builder(engine)  # fail now (e.g. missing Medusa heads), not on the first prompt
+    factory = engine.proposer_factory(method)  # fails now (e.g. missing Medusa heads), not on the first prompt
     lm = engine.target.lm
     schedule = engine.k_schedule(method, ctx.config.k)  # measured before any clock starts
 
     def run(prompt: BenchPrompt) -> RunRecord:
         ids = [list(prompt.token_ids)]
-        if builder is None:
+        if factory is None:
             t0 = time.perf_counter()
             res = plain_generate(lm, ids, stop=ctx.stop)[0]
         else:
-            proposer = builder(engine)  # fresh per prompt, built before the clock starts
+            proposer = factory()  # fresh per prompt, built before the clock starts
             t0 = time.perf_counter()
             res = speculative_generate(lm, proposer, ids, stop=ctx.stop, k=schedule)[0]
         dt = time.perf_counter() - t0
         s = res.stats
         return RunRecord("", prompt.id, prompt.category, tuple(res.token_ids), dt, s.target_forwards,
-                         s.drafted if builder is not None else None, s.accepted if builder is not None else None)
+                         s.drafted if factory is not None else None, s.accepted if factory is not None else None)
 
     return run
 
@@ -371,7 +368,7 @@ def _on_backend(loaded: LoadedModel, backend: str) -> LoadedModel:
 
 def available_methods(ctx: BenchContext) -> tuple[dict[str, Runner], dict[str, str]]:
     """(label -> runner, label -> why unavailable) for the configured methods."""
-    from specdec.engine import METHODS
+    from specdec.proposers import method_names
 
     cfg = ctx.config
     wanted = list(cfg.methods)
@@ -381,7 +378,7 @@ def available_methods(ctx: BenchContext) -> tuple[dict[str, Runner], dict[str, s
     for name, factory in PEER_FACTORIES.items():
         candidates.append((name, lambda f=factory: f(ctx)))
     backends = list(ctx.engines)
-    for method in METHODS:
+    for method in method_names():
         for backend in backends:
             candidates.append((method_label(method, backend, backends),
                                lambda m=method, b=backend: _specdec_runner(ctx, m, b)))

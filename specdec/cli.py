@@ -11,11 +11,11 @@ from specdec.errors import SpecdecError
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    from specdec.engine import METHODS
+    from specdec.proposers import method_names
 
     p = sub.add_parser("generate", help="decode one prompt and print the text and a stats line")
     p.add_argument("prompt", help="the user prompt (wrapped in the chat template unless --no-chat)")
-    p.add_argument("--method", default="plain", choices=list(METHODS), help="how tokens are proposed")
+    p.add_argument("--method", default="plain", choices=method_names(), help="how tokens are proposed")
     p.add_argument("--k", default="auto",
                    help="tokens drafted per step: a number, or auto (default: for draft and prompt-lookup, chosen "
                         "after every step from this machine's measured verify and draft costs and the running "
@@ -130,9 +130,6 @@ def _add_train_medusa(tsub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (AdamW)")
     p.add_argument("--checkpoint-every", type=float, default=3.0, metavar="MIN", help="minutes between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue the run checkpointed in --out")
-    p.add_argument("--pick-tree", type=int, default=0, metavar="N",
-                   help="time trees on N held-out prompts on this machine and record the fastest as the default")
-    p.add_argument("--pick-tree-tokens", type=int, default=48, metavar="T", help="tokens per prompt when timing trees")
     p.add_argument("--extra-prompts", type=int, default=0, metavar="N",
                    help="also train on N generated training prompts (read only, no answers: cheap exact positions)")
     p.add_argument("--backend", default="hf", choices=["hf", "fast"],

@@ -10,21 +10,20 @@ forward, which can only matter where the target's top two logits tie).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from specdec.acceptance import greedy_accept, rejection_sample, tree_rejection_sample, typical_accept
 from specdec.costmodel import best_k
 from specdec.errors import InvalidRequest
 from specdec.lm import CausalLM
 from specdec.proposers.base import Proposer
-from specdec.sampling import logits_to_probs, make_generator, next_token
+from specdec.sampling import draft_seed, make_generator, next_token
 from specdec.stopping import Detokenize, StopChecker
-from specdec.tree import block_mask, chain_parents, depths, greedy_walk
 from specdec.types import (GenerationResult, GenerationStats, Proposal, ProposeContext, SamplingParams,
                            StopConditions, Verdict)
+from specdec.verify import RowStep, verify_step
 
 
 @dataclass(frozen=True)
@@ -100,24 +99,87 @@ def validate_request(target: CausalLM, prompts: Sequence[Sequence[int]], stop: S
                 f"context of {target.max_positions} tokens")
 
 
-def _row_generators(sampling: SamplingParams, batch: int) -> list[torch.Generator]:
+def _row_generators(seed: Optional[int], batch: int) -> list[torch.Generator]:
     # Row b uses seed + b, so a row's samples do not depend on what else is in the batch.
-    return [make_generator(None if sampling.seed is None else sampling.seed + b) for b in range(batch)]
+    return [make_generator(None if seed is None else seed + b) for b in range(batch)]
 
 
 OnEmit = Callable[[int, Sequence[int]], None]
 
 
-def _commit(checker: StopChecker, tokens: Sequence[int], row: int, on_emit: Optional[OnEmit]) -> list[int]:
-    """Append a row's emitted tokens up to its stop; tell on_emit what was taken."""
-    taken = checker.push(tokens)
+@dataclass
+class RowProgress:
+    """One sequence's bookkeeping beside a decoding loop: its generated tokens and stop (the
+    checker), its counters, and the k of its next block (from the schedule and the row's running
+    acceptance). The loops here keep one per row; the target service's Decode one per call."""
+
+    checker: StopChecker
+    schedule: KSchedule = KSchedule()
+    prompt: tuple[int, ...] = ()
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    hits: int = 0  # drafted tokens accepted so far
+    trials: int = 0  # drafted tokens judged so far: accepted ones, and the first rejected of each block
+    k: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.k = self.schedule.k
+
+    @property
+    def done(self) -> bool:
+        return self.checker.finish_reason is not None
+
+    @property
+    def committed(self) -> tuple[int, ...]:
+        return self.prompt + tuple(self.checker.generated)
+
+    @property
+    def last_token(self) -> int:
+        return self.checker.generated[-1] if self.checker.generated else self.prompt[-1]
+
+    def block_k(self) -> int:
+        """Tokens to draft next: never more than still allowed (a block's bonus is one more)."""
+        return min(self.k, self.checker.remaining - 1)
+
+    def record(self, verdict: Verdict) -> list[int]:
+        """Count one target forward; take its emitted tokens up to the stop -> the tokens taken."""
+        taken = self.checker.push(verdict.emitted)
+        drafted, accepted = verdict.num_drafted, verdict.num_accepted
+        s = self.stats
+        s.target_forwards += 1
+        s.drafted += drafted
+        s.accepted += accepted
+        s.emitted += len(taken)
+        self.hits += accepted
+        self.trials += accepted + (1 if accepted < drafted else 0)
+        self.k = self.schedule.next(self.k, drafted, accepted, self.hits, self.trials, s.target_forwards)
+        return taken
+
+
+def _record(rows: Sequence[RowProgress], verdict: Verdict, on_emit: Optional[OnEmit]) -> None:
+    """Commit a row's verdict; tell on_emit (row, tokens) what was taken."""
+    taken = rows[verdict.row_id].record(verdict)
     if on_emit is not None and taken:
-        on_emit(row, taken)
-    return taken
+        on_emit(verdict.row_id, taken)
 
 
-def _finish(checkers: Sequence[StopChecker], stats: Sequence[GenerationStats]) -> list[GenerationResult]:
-    return [GenerationResult(tuple(c.generated), c.finish_reason or "length", s) for c, s in zip(checkers, stats)]
+def _record_token(rows: Sequence[RowProgress], row: int, token: int, on_emit: Optional[OnEmit]) -> None:
+    """A plain step's token: one forward, nothing drafted."""
+    _record(rows, Verdict(row_id=row, num_drafted=0, num_accepted=0, emitted=(token,)), on_emit)
+
+
+def _drop_finished(cache, active: list[int], rows: Sequence[RowProgress], t0: float) -> list[int]:
+    """The rows of `active` still decoding; finished rows get their time and leave the cache."""
+    alive = [i for i, b in enumerate(active) if not rows[b].done]
+    for b in active:
+        if rows[b].done and rows[b].stats.elapsed_s == 0.0:
+            rows[b].stats.elapsed_s = time.perf_counter() - t0
+    if alive and len(alive) < len(active):
+        cache.select_rows(torch.tensor(alive, dtype=torch.long))
+    return [active[i] for i in alive]
+
+
+def _finish(rows: Sequence[RowProgress]) -> list[GenerationResult]:
+    return [GenerationResult(tuple(r.checker.generated), r.checker.finish_reason or "length", r.stats) for r in rows]
 
 
 def plain_generate(
@@ -132,69 +194,19 @@ def plain_generate(
     on_emit(row, tokens) is called with each row's tokens as they are committed (streaming)."""
     validate_request(target, prompts, stop)
     t0 = time.perf_counter()
-    batch = len(prompts)
-    gens = _row_generators(sampling, batch)
-    checkers = [StopChecker(stop, detokenize) for _ in range(batch)]
-    stats = [GenerationStats() for _ in range(batch)]
-    cache = target.new_cache(batch)
+    gens = _row_generators(sampling.seed, len(prompts))
+    rows = [RowProgress(StopChecker(stop, detokenize)) for _ in prompts]
+    cache = target.new_cache(len(prompts))
     logits = target.prefill(cache, [list(p) for p in prompts]).logits  # [batch, vocab]
-    active = list(range(batch))  # row index of each cache row
-    while True:
-        toks = []
+    active = list(range(len(prompts)))  # row index of each cache row
+    while active:
         for i, b in enumerate(active):
-            tok = next_token(logits[i], sampling, gens[b])
-            _commit(checkers[b], [tok], b, on_emit)
-            stats[b].target_forwards += 1
-            stats[b].emitted += 1
-            toks.append(tok)
-        alive = [i for i, b in enumerate(active) if checkers[b].finish_reason is None]
-        for i, b in enumerate(active):
-            if i not in alive:
-                stats[b].elapsed_s = time.perf_counter() - t0
-        if not alive:
-            return _finish(checkers, stats)
-        if len(alive) < len(active):
-            cache.select_rows(torch.tensor(alive))
-            active = [active[i] for i in alive]
-            toks = [toks[i] for i in alive]
-        logits = target.forward(cache, torch.tensor(toks)[:, None]).logits[:, -1]
-
-
-def verify_block(proposal: Proposal, root: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """Block inputs for one row: [root] + drafted nodes (+ aux inputs), its [q, q] mask and [q] depths."""
-    parents = proposal.parents if proposal.parents is not None else chain_parents(len(proposal.token_ids))
-    ids, mask, depth = [root, *proposal.token_ids], block_mask(parents), depths(parents)
-    if proposal.aux is None:
-        return ids, mask, depth
-    aux = proposal.aux
-    n1, m = len(ids), len(aux.token_ids)
-    full = torch.zeros(n1 + m, n1 + m, dtype=torch.bool)  # candidates never see aux inputs
-    full[:n1, :n1] = mask
-    full[n1:] = aux.mask
-    return ids + list(aux.token_ids), full, torch.cat([depth, torch.tensor(aux.depth, dtype=torch.long)])
-
-
-def accept_block(proposal: Proposal, logits: torch.Tensor, sampling: SamplingParams,
-            gen: torch.Generator) -> tuple[list[int], int]:
-    """logits [n + 1, vocab] for one row's block -> (accepted node indices, next token)."""
-    n = len(proposal.token_ids)
-    if sampling.greedy:
-        if proposal.is_chain:
-            accepted, nxt = greedy_accept(torch.tensor(proposal.token_ids, dtype=torch.long), logits)
-            return list(range(accepted)), nxt
-        return greedy_walk(proposal.token_ids, proposal.parents, logits.argmax(-1).tolist())
-    if n == 0:
-        return [], next_token(logits[0], sampling, gen)
-    target_probs = logits_to_probs(logits, sampling)  # [n + 1, vocab]
-    parents = proposal.parents if proposal.parents is not None else chain_parents(n)
-    if sampling.typical is not None:  # lossy, opt-in
-        t = sampling.typical
-        return typical_accept(proposal.token_ids, parents, target_probs, gen, t.posterior_threshold, t.posterior_alpha)
-    if not proposal.is_chain:  # trees are deterministic drafts (Proposal forbids draft_probs on them)
-        return tree_rejection_sample(proposal.token_ids, proposal.parents, target_probs, gen)
-    accepted, nxt = rejection_sample(torch.tensor(proposal.token_ids, dtype=torch.long), proposal.draft_probs,
-                                     target_probs, gen)
-    return list(range(accepted)), nxt
+            _record_token(rows, b, next_token(logits[i], sampling, gens[b]), on_emit)
+        active = _drop_finished(cache, active, rows, t0)
+        if active:
+            last = torch.tensor([rows[b].last_token for b in active])  # [rows]
+            logits = target.forward(cache, last[:, None]).logits[:, -1]  # [rows, vocab]
+    return _finish(rows)
 
 
 def speculative_generate(
@@ -208,85 +220,39 @@ def speculative_generate(
     on_emit: Optional[OnEmit] = None,
 ) -> list[GenerationResult]:
     """Speculative decoding: propose, score in one target forward, accept, commit / roll back, observe.
-    on_emit(row, tokens) is called with each row's tokens as they are committed (streaming)."""
-    schedule = k if isinstance(k, KSchedule) else KSchedule(k=k)
+    on_emit(row, tokens) is called with each row's tokens as they are committed (streaming).
+
+    Each row draws from its own generators (the target's: seed + row; the draft's: a salted
+    seed + row), so a seeded row's output does not depend on the rows that share its batch."""
     validate_request(target, prompts, stop)
     t0 = time.perf_counter()
-    batch = len(prompts)
-    gens = _row_generators(sampling, batch)
-    checkers = [StopChecker(stop, detokenize) for _ in range(batch)]
-    stats = [GenerationStats(target_forwards=1, emitted=1) for _ in range(batch)]
-    row_k = [schedule.k] * batch
-    hits, trials = [0] * batch, [0] * batch  # per row: drafted tokens accepted / judged (for the schedule)
-    needs_hidden = bool(getattr(proposer, "needs_hidden", False))
-    cache = target.new_cache(batch)
-    # The prefill is a target forward that emits one token, exactly as in plain decoding.
-    first = target.prefill(cache, [list(p) for p in prompts], want_hidden=needs_hidden)
-    hidden = list(first.hidden) if needs_hidden else None  # per row [hidden]: state that produced the last token
-    committed = [list(p) for p in prompts]
-    for b in range(batch):
-        committed[b] += _commit(checkers[b], [next_token(first.logits[b], sampling, gens[b])], b, on_emit)
-    active = [b for b in range(batch) if checkers[b].finish_reason is None]
-    if len(active) < batch:
-        cache.select_rows(torch.tensor(active, dtype=torch.long))
+    schedule = k if isinstance(k, KSchedule) else KSchedule(k=k)
+    rows = [RowProgress(StopChecker(stop, detokenize), schedule, tuple(p)) for p in prompts]
+    target_gens = _row_generators(sampling.seed, len(prompts))
+    draft_gens = _row_generators(draft_seed(sampling.seed), len(prompts))
+    want_hidden = proposer.needs_hidden
+    cache = target.new_cache(len(prompts))
+    # 0. prefill: a target forward that emits one token, exactly as in plain decoding.
+    first = target.prefill(cache, [list(p) for p in prompts], want_hidden=want_hidden)
+    hidden = list(first.hidden) if want_hidden else [None] * len(prompts)  # per row: state behind its last token
+    for b, row_logits in enumerate(first.logits):
+        _record_token(rows, b, next_token(row_logits, sampling, target_gens[b]), on_emit)
+    active = _drop_finished(cache, list(range(len(prompts))), rows, t0)
     while active:
-        # 1. propose: never more than the tokens still allowed (the block's bonus is one more).
-        ks = tuple(min(row_k[b], checkers[b].remaining - 1) for b in active)
-        ctx = ProposeContext(row_ids=tuple(active), token_ids=tuple(tuple(committed[b]) for b in active), k=ks,
-                             sampling=sampling,
-                             target_hidden=tuple(hidden[b] for b in active) if needs_hidden else None)
-        proposals = proposer.propose(ctx) if any(ks) else [Proposal() for _ in active]
-        # 2. score: one target forward over every row's [last committed token] + drafted nodes.
-        blocks = [verify_block(p, committed[b][-1]) for p, b in zip(proposals, active)]
-        q = max(len(ids) for ids, _, _ in blocks)
-        ids = torch.zeros(len(active), q, dtype=torch.long)
-        mask = torch.zeros(len(active), q, q, dtype=torch.bool)
-        depth = torch.zeros(len(active), q, dtype=torch.long)
-        valid = torch.zeros(len(active), q, dtype=torch.bool)
-        for i, (row_ids, row_mask, row_depth) in enumerate(blocks):
-            n = len(row_ids)
-            ids[i, :n] = torch.tensor(row_ids)
-            mask[i, :n, :n] = row_mask
-            depth[i, :n] = row_depth
-            valid[i, :n] = True
-        out = target.forward(cache, ids, mask, depth, valid, want_hidden=needs_hidden)
-        logits = out.logits  # [rows, q, vocab]
-        # 3. accept, 4. commit: keep the root and the accepted path in the cache, drop the rest.
-        keep = torch.zeros(len(active), q, dtype=torch.bool)
-        verdicts = []
-        for i, (b, prop) in enumerate(zip(active, proposals)):
-            n = len(prop.token_ids)
-            path, nxt = accept_block(prop, logits[i, : n + 1], sampling, gens[b])
-            keep[i, 0] = True
-            keep[i, [p + 1 for p in path]] = True
-            if needs_hidden:
-                hidden[b] = out.hidden[i, path[-1] + 1 if path else 0]
-            emitted = [prop.token_ids[p] for p in path] + [nxt]
-            m = len(prop.aux.token_ids) if prop.aux is not None else 0
-            verdicts.append(Verdict(row_id=b, num_drafted=n, num_accepted=len(path), emitted=tuple(emitted),
-                                    aux_logits=logits[i, n + 1 : n + 1 + m] if m else None))
-            taken = _commit(checkers[b], emitted, b, on_emit)
-            committed[b] += taken
-            s = stats[b]
-            s.target_forwards += 1
-            s.drafted += n
-            s.accepted += len(path)
-            s.emitted += len(taken)
-            hits[b] += len(path)
-            trials[b] += len(path) + (1 if len(path) < n else 0)
-            row_k[b] = schedule.next(row_k[b], n, len(path), hits[b], trials[b], s.target_forwards)
-        cache.keep_last(keep)
+        # 1. propose, at most each row's block_k tokens (0: a plain step for that row).
+        ctx = ProposeContext(row_ids=tuple(active), token_ids=tuple(rows[b].committed for b in active),
+                             k=tuple(rows[b].block_k() for b in active), sampling=sampling,
+                             target_hidden=tuple(hidden[b] for b in active) if want_hidden else None,
+                             generators=tuple(draft_gens[b] for b in active))
+        proposals = proposer.propose(ctx) if any(ctx.k) else [Proposal() for _ in active]
+        # 2. score, 3. accept, 4. commit / roll back: one target forward for every row.
+        steps = [RowStep(rows[b].last_token, prop, sampling, target_gens[b], row_id=b)
+                 for b, prop in zip(active, proposals)]
+        outcomes = verify_step(target, cache, steps, want_hidden)
+        for out in outcomes:
+            _record(rows, out.verdict, on_emit)
+            hidden[out.verdict.row_id] = out.hidden
         # 5. observe.
-        proposer.observe(verdicts)
-        alive = [i for i, b in enumerate(active) if checkers[b].finish_reason is None]
-        for i, b in enumerate(active):
-            if i not in alive:
-                stats[b].elapsed_s = time.perf_counter() - t0
-        if len(alive) < len(active):
-            active = [active[i] for i in alive]
-            if active:
-                cache.select_rows(torch.tensor(alive, dtype=torch.long))
-    for b in range(batch):
-        if stats[b].elapsed_s == 0.0:
-            stats[b].elapsed_s = time.perf_counter() - t0
-    return _finish(checkers, stats)
+        proposer.observe([out.verdict for out in outcomes])
+        active = _drop_finished(cache, active, rows, t0)
+    return _finish(rows)

@@ -11,9 +11,7 @@ from specdec.costmodel import CostStore
 from specdec.decode import KSchedule, OnEmit, plain_generate, speculative_generate
 from specdec.errors import InvalidRequest
 from specdec.models import LoadedModel, check_compatible, format_prompt, load_model, user_cache_dir
-from specdec.proposers import make_proposer
-from specdec.proposers.medusa import medusa_for_engine
-from specdec.proposers.base import Proposer
+from specdec.proposers import PLAIN, ProposerEnv, ProposerFactory, load_proposer, method_names
 from specdec.proposers.lookahead import LookaheadConfig
 from specdec.stopping import TextStream, cut_at_stop_string
 from specdec.types import GenerationResult, SamplingParams, StopConditions
@@ -32,17 +30,6 @@ class EngineConfig:
     medusa_heads: Optional[str] = None  # Medusa heads directory (None: the heads shipped for the target)
     medusa_tree: Optional[str] = None  # Medusa tree: None/"auto", "chain", a node count, or JSON paths
     lookahead: LookaheadConfig = LookaheadConfig()  # window W, n-gram size N, guesses G for "lookahead"
-
-
-# Method name -> how to build its proposer from the engine. "plain" has none.
-ProposerBuilder = Callable[["Engine"], Proposer]
-METHODS: dict[str, Optional[ProposerBuilder]] = {
-    "plain": None,
-    "prompt-lookup": lambda engine: make_proposer("prompt_lookup"),
-    "draft": lambda engine: make_proposer("draft_model", draft=engine.require_draft().lm),
-    "medusa": lambda engine: medusa_for_engine(engine),
-    "lookahead": lambda engine: make_proposer("lookahead", config=engine.config.lookahead),
-}
 
 
 @dataclass(frozen=True)
@@ -93,6 +80,7 @@ class Engine:
         self.draft: Optional[LoadedModel] = None
         if config.draft is not None:
             self.draft = _load_draft(config.draft, self.target, config)
+        self._factories: dict[str, ProposerFactory] = {}
 
     @classmethod
     def from_models(cls, target: LoadedModel, draft: Optional[LoadedModel] = None,
@@ -103,6 +91,7 @@ class Engine:
         engine.costs = costs or default_cost_store(config)
         engine.target = target
         engine.draft = draft
+        engine._factories = {}
         if draft is not None:
             check_compatible(target, draft)
         return engine
@@ -112,6 +101,16 @@ class Engine:
         if self.draft is None:
             self.draft = _load_draft(None, self.target, self.config)
         return self.draft
+
+    def proposer_factory(self, method: str) -> Optional[ProposerFactory]:
+        """The method's proposer factory (None for plain), loaded on first use and kept: loading
+        is what fails on a missing model, and what is worth doing once (Medusa's heads)."""
+        if method == PLAIN:
+            return None
+        if method not in self._factories:
+            env = ProposerEnv(self.target.lm, self.config, self.costs, lambda: self.require_draft().lm)
+            self._factories[method] = load_proposer(method, env)
+        return self._factories[method]
 
     def k_schedule(self, method: str, k: "KSchedule | int | str") -> KSchedule | int:
         """k as given, or for "auto": for draft and prompt-lookup, the cost-aware schedule from
@@ -142,16 +141,16 @@ class Engine:
                      k: KSchedule | int | str = 4, on_emit: Optional[OnEmit] = None) -> list[GenerationResult]:
         """k: a number, a KSchedule, or "auto" (see k_schedule); on_emit(row, tokens): each row's
         tokens as they are committed."""
-        if method not in METHODS:
-            raise InvalidRequest(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        if method not in method_names():
+            raise InvalidRequest(f"unknown method {method!r}; choose one of {', '.join(method_names())}")
         k = self.k_schedule(method, k)
         if not stop.eos_token_ids:
             stop = StopConditions(stop.max_new_tokens, self.target.lm.eos_token_ids, stop.stop_strings)
         detok = self.decode if stop.stop_strings else None
-        builder = METHODS[method]
-        if builder is None:
+        factory = self.proposer_factory(method)
+        if factory is None:
             return plain_generate(self.target.lm, prompts, sampling, stop, detokenize=detok, on_emit=on_emit)
-        return speculative_generate(self.target.lm, builder(self), prompts, sampling, stop, k=k, detokenize=detok,
+        return speculative_generate(self.target.lm, factory(), prompts, sampling, stop, k=k, detokenize=detok,
                                     on_emit=on_emit)
 
     def complete(self, prompt: str, method: str = "plain", sampling: SamplingParams = SamplingParams(),

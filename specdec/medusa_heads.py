@@ -55,7 +55,8 @@ class HeadsConfig:
     # Measured at the end of training on held-out data: accuracy[i][r] = how often head i's
     # rank-r candidate was the right token. Drives the automatic tree.
     accuracy: tuple[tuple[float, ...], ...] = ()
-    default_tree: tuple[tuple[int, ...], ...] = ()  # chosen by measurement on the machine named in notes
+    # The tree "auto" uses for heads without recorded accuracies (hand-made heads); empty: a chain.
+    default_tree: tuple[tuple[int, ...], ...] = ()
     notes: dict[str, Any] = field(default_factory=dict)  # recipe, data, budget, measurements
 
     def to_json(self) -> str:

@@ -42,6 +42,15 @@ def make_generator(seed: Optional[int], device: torch.device | str = "cpu") -> t
     return gen
 
 
+# Salted so a draft model's draws are not the target's, which come from the same request seed.
+_DRAFT_SALT = 0x5EED
+
+
+def draft_seed(seed: Optional[int]) -> Optional[int]:
+    """The seed a draft model samples from, given the request's (None stays None: fresh randomness)."""
+    return None if seed is None else seed ^ _DRAFT_SALT
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """probs [..., vocab] -> token ids [...] drawn independently per row."""
     flat = probs.reshape(-1, probs.shape[-1])  # [rows, vocab]

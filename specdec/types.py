@@ -1,6 +1,6 @@
 """Plain frozen dataclasses passed between the stages of the decoding loop.
 
-Vocabulary (design.md §2): `k` drafted tokens per step; *accepted* draft tokens are kept by
+Vocabulary: `k` drafted tokens per step; *accepted* draft tokens are kept by
 the target; the *recovered* token is sampled from the residual at the first rejection; the
 *bonus* token is the extra target token when all k are accepted; *emitted* = accepted + 1.
 τ (mean acceptance length) = emitted tokens per target forward; α = accepted / drafted.

@@ -1,9 +1,11 @@
-"""One verification step for independent sessions, batched into one target forward pass.
+"""One verification step, the body of every decoding loop: score, accept, commit.
 
-This is the body of speculative_generate's loop (score, accept, commit / roll back) for callers
-that keep one KV cache per session and bring the sessions together only for the forward pass,
-as the target service does. It reuses the loop's own block builder and acceptance rule, so a
-session verified here gets exactly the tokens the in-process loop would give it.
+`verify_step` scores every row's block ([last committed token] + drafted nodes + aux inputs)
+in one target forward, accepts by the request's rule, and keeps each row's root and accepted
+path in the cache (the rest is rolled back). speculative_generate calls it on its batched
+cache; the target service calls `verify_sessions`, which stacks the caches of sessions that
+arrive together around the same call. So a session verified by the service gets exactly the
+tokens the in-process loop would give it.
 
 Invariant of a session's cache: it holds the KV of every committed token except the last one,
 which is fed again as the *root* of the next block (the first block's root is the last prompt
@@ -18,23 +20,23 @@ from typing import Optional, Sequence
 
 import torch
 
-from specdec.decode import accept_block, verify_block
+from specdec.acceptance import greedy_accept, rejection_sample, tree_rejection_sample, typical_accept
 from specdec.kv_cache import KVCache
 from specdec.kv_stack import split_cache, stack_caches
 from specdec.lm import CausalLM
+from specdec.sampling import logits_to_probs, next_token
+from specdec.tree import block_mask, chain_parents, depths, greedy_walk
 from specdec.types import Proposal, SamplingParams, Verdict
 
 
 @dataclass(frozen=True)
-class VerifyJob:
-    """One session's step: its cache (holding committed[:-1]) is updated in place."""
+class RowStep:
+    """One row of a verification step."""
 
-    cache: KVCache  # batch 1
-    root: int  # the last committed token
+    root: int  # the row's last committed token
     proposal: Proposal
     sampling: SamplingParams
-    generator: torch.Generator
-    want_hidden: bool = False
+    generator: torch.Generator  # the row's own randomness (rejection sampling, the bonus token)
     # The row id the proposal was made under (ProposeContext.row_ids); the Verdict carries it
     # back, since a proposer's observe() finds its per-row state by that id, not by batch slot.
     row_id: int = 0
@@ -42,23 +44,26 @@ class VerifyJob:
 
 @dataclass(frozen=True)
 class StepOutcome:
-    verdict: Verdict  # row_id is the job's row_id
+    verdict: Verdict  # row_id is the step's row_id
     hidden: Optional[torch.Tensor] = None  # [hidden] target state that produced the last emitted token
 
 
-def load_committed(target: CausalLM, cache: KVCache, committed: Sequence[int]) -> None:
-    """Make a batch-1 cache hold committed[:-1], keeping whatever prefix it already holds correctly.
+def verify_block(proposal: Proposal, root: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Block inputs for one row: [root] + drafted nodes (+ aux inputs), its [q, q] mask and [q] depths."""
+    parents = proposal.parents if proposal.parents is not None else chain_parents(len(proposal.token_ids))
+    ids, mask, depth = [root, *proposal.token_ids], block_mask(parents), depths(parents)
+    if proposal.aux is None:
+        return ids, mask, depth
+    aux = proposal.aux
+    n1, m = len(ids), len(aux.token_ids)
+    full = torch.zeros(n1 + m, n1 + m, dtype=torch.bool)  # candidates never see aux inputs
+    full[:n1, :n1] = mask
+    full[n1:] = aux.mask
+    return ids + list(aux.token_ids), full, torch.cat([depth, torch.tensor(aux.depth, dtype=torch.long)])
 
-    The cache's valid tokens must be a prefix of `committed` (callers truncate it first)."""
-    have = int(cache.lengths[0])
-    want = len(committed) - 1
-    if have > want:
-        cache.truncate(torch.tensor([want]))
-    elif have < want:
-        target.prefill(cache, [list(committed[have:want])])
 
-
-def _pack(blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_blocks(blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows' (ids, mask, depth) of different lengths -> one right-padded forward input."""
     q = max(len(ids) for ids, _, _ in blocks)
     ids = torch.zeros(len(blocks), q, dtype=torch.long)  # [rows, q]
     mask = torch.zeros(len(blocks), q, q, dtype=torch.bool)  # [rows, q, q]
@@ -73,34 +78,93 @@ def _pack(blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
     return ids, mask, depth, valid
 
 
-def verify_step(target: CausalLM, jobs: Sequence[VerifyJob]) -> list[StepOutcome]:
-    """Score every job's [root] + drafted nodes (+ aux inputs) in one forward, accept, and keep
-    the root and the accepted path in each job's cache."""
-    if not jobs:
-        return []
-    single = len(jobs) == 1
-    cache = jobs[0].cache if single else stack_caches([j.cache for j in jobs], target.new_cache)
-    want_hidden = any(j.want_hidden for j in jobs)
-    blocks = [verify_block(j.proposal, j.root) for j in jobs]
-    ids, mask, depth, valid = _pack(blocks)
+def accept_block(proposal: Proposal, logits: torch.Tensor, sampling: SamplingParams,
+                 gen: torch.Generator) -> tuple[list[int], int]:
+    """logits [n + 1, vocab] for one row's block -> (accepted node indices, next token)."""
+    n = len(proposal.token_ids)
+    if sampling.greedy:
+        if proposal.is_chain:
+            accepted, nxt = greedy_accept(torch.tensor(proposal.token_ids, dtype=torch.long), logits)
+            return list(range(accepted)), nxt
+        return greedy_walk(proposal.token_ids, proposal.parents, logits.argmax(-1).tolist())
+    if n == 0:
+        return [], next_token(logits[0], sampling, gen)
+    target_probs = logits_to_probs(logits, sampling)  # [n + 1, vocab]
+    parents = proposal.parents if proposal.parents is not None else chain_parents(n)
+    if sampling.typical is not None:  # lossy, opt-in
+        t = sampling.typical
+        return typical_accept(proposal.token_ids, parents, target_probs, gen, t.posterior_threshold, t.posterior_alpha)
+    if not proposal.is_chain:  # trees are deterministic drafts (Proposal forbids draft_probs on them)
+        return tree_rejection_sample(proposal.token_ids, proposal.parents, target_probs, gen)
+    accepted, nxt = rejection_sample(torch.tensor(proposal.token_ids, dtype=torch.long), proposal.draft_probs,
+                                     target_probs, gen)
+    return list(range(accepted)), nxt
+
+
+def _verdict(row: RowStep, path: Sequence[int], nxt: int, logits: torch.Tensor) -> Verdict:
+    """logits [q, vocab]: the row's block; the aux inputs' logits travel back to the proposer."""
+    prop = row.proposal
+    n = len(prop.token_ids)
+    m = len(prop.aux.token_ids) if prop.aux is not None else 0
+    return Verdict(row_id=row.row_id, num_drafted=n, num_accepted=len(path),
+                   emitted=tuple(prop.token_ids[p] for p in path) + (nxt,),
+                   aux_logits=logits[n + 1 : n + 1 + m] if m else None)
+
+
+def verify_step(target: CausalLM, cache: KVCache, rows: Sequence[RowStep],
+                want_hidden: bool = False) -> list[StepOutcome]:
+    """Score every row's block in one forward over `cache` (row i of the cache is rows[i]),
+    accept, and keep each row's root and accepted path in the cache."""
+    # 2. score: one target forward over every row's [root] + drafted nodes (+ aux inputs).
+    ids, mask, depth, valid = pack_blocks([verify_block(r.proposal, r.root) for r in rows])
     out = target.forward(cache, ids, mask, depth, valid, want_hidden=want_hidden)
     logits = out.logits  # [rows, q, vocab]
+    # 3. accept, 4. commit: keep the root and the accepted path in the cache, drop the rest.
     keep = torch.zeros_like(valid)  # [rows, q]
     outcomes = []
-    for i, job in enumerate(jobs):
-        prop = job.proposal
-        n = len(prop.token_ids)
-        path, nxt = accept_block(prop, logits[i, : n + 1], job.sampling, job.generator)
+    for i, row in enumerate(rows):
+        n = len(row.proposal.token_ids)
+        path, nxt = accept_block(row.proposal, logits[i, : n + 1], row.sampling, row.generator)
         keep[i, 0] = True
         keep[i, [p + 1 for p in path]] = True
-        m = len(prop.aux.token_ids) if prop.aux is not None else 0
-        verdict = Verdict(row_id=job.row_id, num_drafted=n, num_accepted=len(path),
-                          emitted=tuple(prop.token_ids[p] for p in path) + (nxt,),
-                          aux_logits=logits[i, n + 1 : n + 1 + m] if m else None)
-        hidden = out.hidden[i, path[-1] + 1 if path else 0] if job.want_hidden else None
-        outcomes.append(StepOutcome(verdict, hidden))
+        hidden = out.hidden[i, path[-1] + 1 if path else 0] if want_hidden else None
+        outcomes.append(StepOutcome(_verdict(row, path, nxt, logits[i]), hidden))
     cache.keep_last(keep)
-    if not single:
-        for job, row in zip(jobs, split_cache(cache, target.new_cache)):
-            job.cache.hf, job.cache.valid = row.hf, row.valid
     return outcomes
+
+
+def verify_sessions(target: CausalLM, caches: Sequence[KVCache], rows: Sequence[RowStep],
+                    want_hidden: bool = False) -> tuple[list[StepOutcome], list[KVCache]]:
+    """verify_step for independent sessions, each with its own batch-1 cache (caches[i] for
+    rows[i]), batched into one forward. -> (outcomes, each session's cache after the step: the
+    given one, updated in place, when alone; a new one when the caches had to be stacked)."""
+    if len(caches) == 1:
+        return verify_step(target, caches[0], rows, want_hidden), list(caches)
+    stacked = stack_caches(caches, target.new_cache)
+    outcomes = verify_step(target, stacked, rows, want_hidden)
+    return outcomes, split_cache(stacked, target.new_cache)
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def load_committed(target: CausalLM, cache: KVCache, committed: Sequence[int],
+                   cached: Optional[Sequence[int]] = None) -> None:
+    """Make a batch-1 cache hold committed[:-1], keeping what it already holds correctly.
+
+    cached: the tokens the cache's valid slots stand for, in order (a session's last committed
+    tokens will do: the cache never holds more than those); only their common prefix with
+    `committed` is kept. None: the cache's valid tokens are already a prefix of `committed`."""
+    have = int(cache.lengths[0])
+    if cached is not None:
+        have = min(have, common_prefix_len(cached, committed))
+    want = len(committed) - 1
+    if have != int(cache.lengths[0]) or have > want:
+        cache.truncate(torch.tensor([min(have, want)]))
+    if have < want:
+        target.prefill(cache, [list(committed[have:want])])

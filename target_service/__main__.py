@@ -12,8 +12,7 @@
                       flags given on the command line override the file
 --device D / --dtype T  where the model runs: auto (default: a CUDA GPU if visible, else cpu) /
                       auto (float32 on cpu, bfloat16 on a GPU)
-Also: --host, --port, --metrics-port (-1: off), --max-k, --max-message-bytes, --threads, --log-level,
---artificial-delay-ms (benchmarks: sleep per verification step, standing in for a busy GPU).
+Also: --host, --port, --metrics-port (-1: off), --max-k, --max-message-bytes, --threads, --log-level.
 Serves grpc.health.v1 ("" and specdec.rpc.v1.TargetService), reflection, and /metrics.
 """
 
@@ -38,27 +37,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--batch-window-ms", type=float, default=2.0)
     p.add_argument("--max-k", type=int, default=32)
-    p.add_argument("--artificial-delay-ms", type=float, default=0.0,
-                   help="benchmarks only: sleep this long per verification step (a stand-in for a busy GPU)")
     return p
 
 
-async def _serve(args: argparse.Namespace) -> None:
+def load_target(args: argparse.Namespace):
+    """The target model the flags name -> specdec.models.LoadedModel."""
     apply_threads(args)
     from specdec.models import load_model
+
+    device, dtype = model_placement(args)
+    return load_model(args.target, device=device, dtype=dtype, backend=args.backend)
+
+
+async def serve_target(lm, tokenizer_dir: Optional[str], args: argparse.Namespace) -> None:
+    """Serve this target model (a CausalLM) with the flags' settings until SIGTERM."""
     from target_service.core import TargetSettings
     from target_service.servicer import start_target_server
 
-    device, dtype = model_placement(args)
-    loaded = load_model(args.target, device=device, dtype=dtype, backend=args.backend)
     settings = TargetSettings(max_sessions=args.max_sessions, max_batch=args.max_batch,
-                              batch_window_ms=args.batch_window_ms, max_k=args.max_k,
-                              artificial_delay_ms=args.artificial_delay_ms)
-    running = await start_target_server(loaded.lm, server_settings(args), settings, tokenizer_dir=loaded.path)
+                              batch_window_ms=args.batch_window_ms, max_k=args.max_k)
+    running = await start_target_server(lm, server_settings(args), settings, tokenizer_dir=tokenizer_dir)
     logging.getLogger("target_service").info(
-        "target service (%s, methods: %s) listening on %s:%d, metrics on %s", loaded.lm.name,
+        "target service (%s, methods: %s) listening on %s:%d, metrics on %s", lm.name,
         ", ".join(running.core.available_methods()), args.host, running.port, running.metrics_port)
     await serve_until_signal(running, args.grace_period)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    loaded = load_target(args)
+    await serve_target(loaded.lm, loaded.path, args)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

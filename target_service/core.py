@@ -16,22 +16,22 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
+from specdec.decode import KSchedule, RowProgress
 from specdec.errors import FailedPrecondition, InvalidRequest, NotFound
 from specdec.lm import CausalLM
-from specdec.proposers.base import Proposer
-from specdec.proposers.draft_model import common_prefix_len
+from specdec.proposers import PROPOSERS, Proposer, ProposerEnv, ProposerFactory, load_proposer
 from specdec.rpc.batching import MicroBatcher
 from specdec.rpc.metrics import ServiceMetrics
 from specdec.rpc.session_table import SessionTable
 from specdec.sampling import make_generator
 from specdec.sessions import check_token_ids, step_seed, token_digest
-from specdec.types import DraftKind, Proposal, ProposeContext, SamplingParams
-from specdec.verify import VerifyJob, load_committed, verify_step
+from specdec.stopping import StopChecker
+from specdec.types import DraftKind, Proposal, ProposeContext, SamplingParams, StopConditions, Verdict
+from specdec.verify import RowStep, load_committed, verify_sessions
 
 log = logging.getLogger("target_service")
 
@@ -50,9 +50,6 @@ class TargetSettings:
     batch_window_ms: float = 2.0  # how long the first request of a batch waits for company
     max_k: int = 32  # most drafted tokens per Verify
     max_queue: int = 256  # queued steps beyond this are refused (RESOURCE_EXHAUSTED)
-    # Benchmarks and tests only: sleep this long per step (no CPU), standing in for a busy GPU or a
-    # network hop, to measure what pipelining hides.
-    artificial_delay_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -83,13 +80,6 @@ class _Step:
     proposer_k: int = 0
 
 
-@dataclass(frozen=True)
-class StepResult:
-    emitted: tuple[int, ...]
-    num_accepted: int
-    num_drafted: int
-
-
 def check_draft(kind: Optional[DraftKind], k: int, draft_probs: Optional[torch.Tensor],
                 sampling: SamplingParams) -> Optional[torch.Tensor]:
     """A Verify's draft as the acceptance rule needs it: -> draft_probs [k, vocab], or None for a
@@ -110,34 +100,22 @@ def check_draft(kind: Optional[DraftKind], k: int, draft_probs: Optional[torch.T
     return draft_probs
 
 
-def _engine_view(target: CausalLM, tokenizer) -> SimpleNamespace:
-    """What METHODS' builders read from an engine: the target and a default EngineConfig (no
-    draft: drafts live in the draft service)."""
-    from specdec.engine import EngineConfig, default_cost_store
-
-    def require_draft():
-        raise FailedPrecondition("the target service runs no draft model")
-    loaded = SimpleNamespace(lm=target, tokenizer=tokenizer, path=target.name)
-    config = EngineConfig()
-    return SimpleNamespace(target=loaded, draft=None, require_draft=require_draft, config=config,
-                           costs=default_cost_store(config))
-
-
 class TargetCore:
     def __init__(self, target: CausalLM, settings: TargetSettings = TargetSettings(),
                  metrics: Optional[ServiceMetrics] = None, tokenizer_dir: Optional[str] = None,
-                 methods: Optional[dict[str, Optional[Callable[[], Proposer]]]] = None):
+                 methods: Optional[dict[str, ProposerFactory]] = None):
         self.target = target
         self.settings = settings
         self.metrics = metrics or ServiceMetrics("target")
         self.tokenizer_dir = tokenizer_dir
         self.sessions: SessionTable[TargetSession] = SessionTable(settings.max_sessions, TargetSession,
                                                                   self.metrics.sessions)
-        # Per session: how often it was (re)built here (the most recent sessions only; for tests and debugging).
+        # Per session id: how often it was (re)built here, kept past its release (the most recent
+        # ids only): the one per-session record of rebuilds, which the failover tests check.
         self.prefills: OrderedDict[str, int] = OrderedDict()
         self.methods = methods if methods is not None else discover_methods(target)
         # Keep every session's last hidden state when a loaded method reads it (Medusa heads).
-        self.needs_hidden = any(getattr(build, "needs_hidden", False) for build in self.methods.values())
+        self.needs_hidden = any(make().needs_hidden for make in self.methods.values())
         self.batcher = MicroBatcher(self._run_steps, max_batch=settings.max_batch,
                                     window_s=settings.batch_window_ms / 1000, max_queue=settings.max_queue,
                                     metrics=self.metrics, expect_company=self.sessions.active_recently)
@@ -170,11 +148,7 @@ class TargetCore:
             def work():
                 if sess.cache is None:
                     sess.cache = self.target.new_cache(1)
-                keep = common_prefix_len(sess.tokens, ids)
-                sess.cache.truncate(torch.tensor([min(keep, int(sess.cache.lengths[0]))]))
-                sess.tokens = list(ids)
-                sess.hidden = None
-                load_committed(self.target, sess.cache, ids)
+                self._load(sess, ids)
                 return len(ids)
             n = await self.batcher.run_alone(work)
         self.metrics.session_rebuilds.inc()
@@ -193,51 +167,60 @@ class TargetCore:
         if token_digest(candidate) != pos.digest:
             raise NotFound(f"session {sess.session_id} holds other tokens than the caller: prefill it again")
         if candidate != sess.tokens:
-            keep = min(common_prefix_len(sess.tokens, candidate), int(sess.cache.lengths[0]))
-            sess.cache.truncate(torch.tensor([keep]))
-            sess.tokens = candidate
-            sess.hidden = None
-            load_committed(self.target, sess.cache, candidate)
+            self._load(sess, candidate)
+
+    def _load(self, sess: TargetSession, tokens: list[int]) -> None:
+        """Make the session hold these committed tokens, keeping what its cache shares with them."""
+        load_committed(self.target, sess.cache, tokens, cached=sess.tokens)
+        sess.tokens = list(tokens)
+        sess.hidden = None
 
     # --- the model thread ------------------------------------------------------------------
     def _run_steps(self, steps: Sequence[_Step]) -> list:
+        """One verification forward for every step that is ready -> per step its Verdict (or the
+        exception that kept it out of the batch)."""
         results: list = [None] * len(steps)
-        jobs, where = [], []
+        ready: list[tuple[int, RowStep]] = []
         for i, st in enumerate(steps):
             try:
-                sess = st.session
                 if st.position is not None:
-                    self._sync(sess, st.position)
-                proposal = Proposal(token_ids=st.draft_ids, draft_probs=st.draft_probs)
-                needs_hidden = bool(getattr(st.proposer, "needs_hidden", False))
-                # A proposer that reads the target's hidden state waits for one plain step when it is unknown.
-                if st.proposer is not None and st.proposer_k > 0 and not (needs_hidden and sess.hidden is None):
-                    ctx = ProposeContext(row_ids=(SESSION_ROW,), token_ids=(tuple(sess.tokens),), k=(st.proposer_k,),
-                                         sampling=st.sampling, target_hidden=(sess.hidden,) if needs_hidden else None)
-                    proposal = st.proposer.propose(ctx)[0]
-                seed = step_seed(st.sampling.seed, len(sess.tokens))
-                jobs.append(VerifyJob(cache=sess.cache, root=sess.tokens[-1], proposal=proposal,
-                                      sampling=st.sampling, generator=make_generator(seed),
-                                      want_hidden=self.needs_hidden, row_id=SESSION_ROW))
-                where.append(i)
+                    self._sync(st.session, st.position)
+                ready.append((i, self._row_step(st)))
             except Exception as exc:  # noqa: BLE001 - one bad session must not fail the batch
                 results[i] = exc
-        if jobs:
-            outcomes = verify_step(self.target, jobs)
-            for i, out in zip(where, outcomes):
-                st, v = steps[i], out.verdict
-                st.session.tokens.extend(v.emitted)
-                st.session.hidden = out.hidden
-                if st.proposer is not None:
-                    st.proposer.observe([v])
-                self.metrics.record_verdict(v.num_drafted, v.num_accepted, len(v.emitted))
-                results[i] = StepResult(v.emitted, v.num_accepted, v.num_drafted)
+        if not ready:
+            return results
+        sessions = [steps[i].session for i, _ in ready]
+        outcomes, caches = verify_sessions(self.target, [s.cache for s in sessions], [r for _, r in ready],
+                                           want_hidden=self.needs_hidden)
+        for (i, _), sess, out, cache in zip(ready, sessions, outcomes, caches):
+            v = out.verdict
+            sess.cache, sess.hidden = cache, out.hidden
+            sess.tokens.extend(v.emitted)
+            if steps[i].proposer is not None:
+                steps[i].proposer.observe([v])
+            self.metrics.record_verdict(v.num_drafted, v.num_accepted, len(v.emitted))
+            results[i] = v
         return results
+
+    def _row_step(self, st: _Step) -> RowStep:
+        """A session's row of the verification forward: the Verify's draft, or its Decode
+        proposer's proposal (made here, right before the forward)."""
+        sess = st.session
+        proposal = Proposal(token_ids=st.draft_ids, draft_probs=st.draft_probs)
+        # A proposer that reads the target's hidden state waits for one plain step when it is unknown.
+        if st.proposer is not None and st.proposer_k > 0 and not (st.proposer.needs_hidden and sess.hidden is None):
+            ctx = ProposeContext(row_ids=(SESSION_ROW,), token_ids=(tuple(sess.tokens),), k=(st.proposer_k,),
+                                 sampling=st.sampling,
+                                 target_hidden=(sess.hidden,) if st.proposer.needs_hidden else None)
+            [proposal] = st.proposer.propose(ctx)
+        generator = make_generator(step_seed(st.sampling.seed, len(sess.tokens)))
+        return RowStep(sess.tokens[-1], proposal, st.sampling, generator, row_id=SESSION_ROW)
 
     # --- RPC bodies ------------------------------------------------------------------------
     async def verify(self, session_id: str, pos: Position, draft_ids: Sequence[int],
                      draft_probs: Optional[torch.Tensor], sampling: SamplingParams,
-                     draft_kind: Optional[DraftKind]) -> StepResult:
+                     draft_kind: Optional[DraftKind]) -> Verdict:
         """draft_kind None: the caller did not say (refused under sampling, see check_draft)."""
         if len(draft_ids) > self.settings.max_k:
             raise InvalidRequest(f"at most {self.settings.max_k} draft tokens per Verify, got {len(draft_ids)}")
@@ -246,13 +229,7 @@ class TargetCore:
         draft_probs = check_draft(draft_kind, len(ids), draft_probs, sampling)
         sess = self._session(session_id)
         async with sess.lock:
-            res = await self.batcher.submit(_Step(sess, pos, ids, draft_probs, sampling))
-        await self._delay()
-        return res
-
-    async def _delay(self) -> None:
-        if self.settings.artificial_delay_ms > 0:
-            await asyncio.sleep(self.settings.artificial_delay_ms / 1000)
+            return await self.batcher.submit(_Step(sess, pos, ids, draft_probs, sampling))
 
     def resolve_method(self, method: str) -> str:
         if not method:
@@ -271,32 +248,25 @@ class TargetCore:
             raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")
         self._check_position(pos.committed_len, pos.new_token_ids, max_tokens)
         method = self.resolve_method(method)
-        stops = set(int(t) for t in stop_token_ids)
+        stop = StopConditions(max_tokens, tuple(int(t) for t in stop_token_ids))
+        progress = RowProgress(StopChecker(stop), KSchedule(k=k))
         sess = self._session(session_id)
-        emitted: list[int] = []
-        forwards = drafted = accepted = 0
         async with sess.lock:
             proposer = None
             if method != "plain":
                 proposer = sess.proposers.get(method)
                 if proposer is None:
                     proposer = sess.proposers[method] = self.methods[method]()
-            position: Optional[Position] = pos
-            while len(emitted) < max_tokens and not (emitted and emitted[-1] in stops):
-                k_step = min(k, max_tokens - len(emitted) - 1) if proposer is not None else 0
-                res = await self.batcher.submit(_Step(sess, position, sampling=sampling, proposer=proposer,
-                                                      proposer_k=k_step))
-                await self._delay()
+            position: Optional[Position] = pos  # the first step syncs; the later ones follow on
+            while not progress.done:
+                k_step = progress.block_k() if proposer is not None else 0
+                verdict = await self.batcher.submit(_Step(sess, position, sampling=sampling, proposer=proposer,
+                                                          proposer_k=k_step))
                 position = None
-                forwards += 1
-                drafted += res.num_drafted
-                accepted += res.num_accepted
-                for t in res.emitted:
-                    emitted.append(t)
-                    if t in stops or len(emitted) >= max_tokens:
-                        break
-        return dict(emitted=tuple(emitted), method=method, target_forwards=forwards, num_drafted=drafted,
-                    num_accepted=accepted)
+                progress.record(verdict)
+        s = progress.stats
+        return dict(emitted=tuple(progress.checker.generated), method=method, target_forwards=s.target_forwards,
+                    num_drafted=s.drafted, num_accepted=s.accepted)
 
     def tokenizer_files(self) -> dict[str, bytes]:
         if not self.tokenizer_dir:
@@ -308,23 +278,21 @@ class TargetCore:
         await self.batcher.close()
 
 
-def discover_methods(target: CausalLM, tokenizer=None) -> dict[str, Callable[[], Proposer]]:
-    """Target-side methods from the engine's registry (specdec.engine.METHODS) that build here,
-    i.e. need no draft model: prompt lookup today, Medusa and Lookahead when registered (Medusa
-    only when its heads load)."""
-    from specdec.engine import METHODS
+def _no_draft() -> CausalLM:
+    raise FailedPrecondition("the target service runs no draft model")
 
-    view = _engine_view(target, tokenizer)
-    found: dict[str, Callable[[], Proposer]] = {}
-    for name, builder in METHODS.items():
-        if builder is None or name == "draft":
-            continue
+
+def discover_methods(target: CausalLM) -> dict[str, ProposerFactory]:
+    """The registered methods that load here, with the target alone (drafts live in the draft
+    service): prompt lookup and Lookahead, and Medusa when its heads load."""
+    from specdec.engine import EngineConfig, default_cost_store
+
+    config = EngineConfig()
+    env = ProposerEnv(target, config, default_cost_store(config), load_draft=_no_draft)
+    found: dict[str, ProposerFactory] = {}
+    for name in PROPOSERS:
         try:
-            probe = builder(view)
+            found[name] = load_proposer(name, env)
         except Exception as exc:  # noqa: BLE001 - a method that cannot load here is simply not offered
             log.info("decode method %s not available on this target: %s", name, str(exc).splitlines()[0][:200])
-            continue
-        build = (lambda b=builder: b(view))
-        build.needs_hidden = bool(getattr(probe, "needs_hidden", False))
-        found[name] = build
     return found

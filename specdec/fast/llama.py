@@ -18,7 +18,7 @@ way, SDPA with an additive mask), so logits agree to float rounding; greedy outp
 where the top two logits tie (tests/unit/test_fast_llama.py, tests/integration).
 
 What was tried and measured (SmolLM2-135M, fp32, 1 thread, thread CPU time on the shared
-2-core EPYC; see the report of issue 5): the row-count kernel choice took a 1-token forward from
+2-core EPYC): the row-count kernel choice took a 1-token forward from
 73.6 ms (transformers) to 44 ms and plain decoding from 78.7 to 48.6 ms per token (outputs
 identical); oneDNN prepacked weights and MKL packed GEMM (`_mkl_linear`) were no faster than
 W @ x.T; torch.compile of the decoder (dynamic shapes) took 8 minutes to compile and ran slower;
@@ -27,9 +27,9 @@ bfloat16 weights (`weight_dtype`, lossy) made multi-row forwards much cheaper (v
 
 Limitations: Llama-family decoders only (no attention/MLP biases, SiLU MLP, static RoPE
 types); `supports_fast(config)` says why a model is refused. Not for sliding-window models.
-FastKVCache has no transformers cache layers, so code that reaches into `cache.hf.layers`
-(specdec/kv_stack.py, the services' cache stacking) needs the hf backend. The kernel thresholds
-were measured on one CPU; on a GPU every matmul is F.linear.
+FastKVCache has no transformers cache layers; it stacks and splits (specdec/kv_stack.py, the
+services' batching) through the same `layer_kv` / `load_layer_kv` as KVCache. The kernel
+thresholds were measured on one CPU; on a GPU every matmul is F.linear.
 """
 
 from __future__ import annotations
@@ -163,7 +163,8 @@ _NT_NARROW_IN = 1024
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
-    """x [..., in] @ weight[out, in].T -> [..., out], with the fastest MKL call for the row count."""
+    """x [..., in] @ weight[out, in].T -> [..., out], with the fastest MKL call for the row count
+    (kernel: "auto"; "nt" or "linear" force one path, for tests)."""
     if x.dtype != weight.dtype:  # reduced-precision weights (lossy, opt-in): oneDNN's own kernels
         return F.linear(x.to(weight.dtype), weight).to(x.dtype)
     m = x.numel() // x.shape[-1]
@@ -212,7 +213,7 @@ class FastLlamaLM(CausalLM):
     """
 
     def __init__(self, model: torch.nn.Module, name: str = "model", weight_dtype: Optional[torch.dtype] = None,
-                 kernel: str = "auto", head_rows: Optional[torch.Tensor] = None):
+                 head_rows: Optional[torch.Tensor] = None):
         why = supports_fast(model.config)
         if why is not None:
             raise ModelLoadError(f"the fast backend cannot run {name}: {why}; use backend='hf'")
@@ -223,9 +224,6 @@ class FastLlamaLM(CausalLM):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.intermediate = cfg.intermediate_size
         self.eps = float(cfg.rms_norm_eps)
-        if kernel not in ("auto", "nt", "linear"):
-            raise ValueError(f"kernel must be auto, nt or linear, got {kernel!r}")
-        self.kernel = kernel
         decoder = model.get_decoder()
         with torch.no_grad():
             self.embed = decoder.embed_tokens.weight.detach()  # [vocab, hidden]
@@ -310,7 +308,7 @@ class FastLlamaLM(CausalLM):
         x = F.embedding(input_ids.to(dev), self.embed)  # [batch, q, hidden]
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.in_norm, self.eps)
-            qkv = _linear(h, layer.wqkv, self.kernel)  # [batch, q, (H + 2 KVH) * D]
+            qkv = _linear(h, layer.wqkv)  # [batch, q, (H + 2 KVH) * D]
             qk = qkv[..., : (H + KVH) * D].view(batch, q, H + KVH, D).transpose(1, 2)  # [batch, H + KVH, q, D]
             qk = qk * cos + _rotate_half(qk) * sin  # RoPE on queries and keys at once
             qs, ks = qk[:, :H], qk[:, H:]  # [batch, H, q, D], [batch, KVH, q, D]
@@ -322,14 +320,14 @@ class FastLlamaLM(CausalLM):
             qf = qs.reshape(batch, KVH, n_rep * q, D)  # head h = kv_head * n_rep + r
             att = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=D ** -0.5)
             att = att.view(batch, H, q, D).transpose(1, 2).reshape(batch, q, H * D)
-            x = x + _linear(att, layer.wo, self.kernel)
+            x = x + _linear(att, layer.wo)
             h = _rms_norm(x, layer.post_norm, self.eps)
-            gate_up = _linear(h, layer.w_gate_up, self.kernel)  # [batch, q, 2 I]
-            x = x + _linear(F.silu(gate_up[..., :I]) * gate_up[..., I:], layer.w_down, self.kernel)
+            gate_up = _linear(h, layer.w_gate_up)  # [batch, q, 2 I]
+            x = x + _linear(F.silu(gate_up[..., :I]) * gate_up[..., I:], layer.w_down)
         store.length = end
         hidden = _rms_norm(x, self.norm, self.eps)  # [batch, q, hidden]
         sel = hidden if logits_at is None else hidden[:, logits_at.to(dev)]
-        logits = _linear(sel, self.lm_head, self.kernel)  # [batch, q', vocab or subset]
+        logits = _linear(sel, self.lm_head)  # [batch, q', vocab or subset]
         if self.head_rows is not None:
             logits = scatter_subset_logits(logits, self.head_rows, self.vocab_size)
         cache.appended(input_valid)

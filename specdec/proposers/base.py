@@ -1,46 +1,84 @@
-"""The proposer interface and its public registry.
+"""The proposer interface and the public registry of decoding methods.
 
 A proposer turns the committed tokens into drafted tokens (`propose`) and may learn from the
-target's verdicts (`observe`). An empty proposal means plain decoding for that step. A new
-proposer registers itself with `@register("name")`; nothing else needs to change.
+target's verdicts (`observe`). An empty proposal means plain decoding for that step.
+
+The registry maps each method's name (as the CLI, the engine and the services spell it) to a
+*loader*: given a `ProposerEnv`, it loads what the method needs once (a draft model, Medusa
+heads) and returns a factory of proposers, called once per request or session. A new method
+is one module with a proposer and a loader decorated with `@register("name")`, plus its import
+in specdec/proposers/__init__.py; the engine, the CLI, the benchmark and the target service
+take it from here. "plain" (no proposer) is the one method outside the registry.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
 
+from specdec.errors import InvalidRequest
 from specdec.types import Proposal, ProposeContext, Verdict
+
+if TYPE_CHECKING:
+    from specdec.costmodel import CostStore
+    from specdec.lm import CausalLM
+
+PLAIN = "plain"
 
 
 @runtime_checkable
 class Proposer(Protocol):
+    """Proposers may subclass this to inherit the defaults below."""
+
     name: str
+    # True: propose() reads ctx.target_hidden, so the loop keeps the target's last hidden state.
+    needs_hidden: bool = False
 
     def propose(self, ctx: ProposeContext) -> Sequence[Proposal]:
         """One proposal per row of ctx, in the same order; at most ctx.k[b] tokens deep."""
         ...
 
     def observe(self, verdicts: Sequence[Verdict]) -> None:
-        """The target's verdicts for the last proposals (same order)."""
-        ...
+        """The target's verdicts for the last proposals (same order). Default: nothing to learn."""
 
 
-PROPOSERS: dict[str, Callable[..., Proposer]] = {}
+@dataclass(frozen=True)
+class ProposerEnv:
+    """What a method's proposers are built from."""
+
+    target: "CausalLM"
+    # The user's method settings: specdec.engine.EngineConfig (medusa_heads, medusa_tree, lookahead),
+    # not imported here, since the engine builds on the proposers.
+    config: Any
+    costs: "CostStore"  # this machine's measured costs, for automatic choices (the Medusa tree)
+    # The draft model, loaded on first call; raises FailedPrecondition where none runs (the target service).
+    load_draft: Callable[[], "CausalLM"]
 
 
-def register(name: str) -> Callable[[Callable[..., Proposer]], Callable[..., Proposer]]:
-    def deco(factory: Callable[..., Proposer]) -> Callable[..., Proposer]:
-        if name in PROPOSERS:
-            raise ValueError(f"proposer {name!r} is already registered")
-        PROPOSERS[name] = factory
-        return factory
+ProposerFactory = Callable[[], Proposer]
+Loader = Callable[[ProposerEnv], ProposerFactory]
+PROPOSERS: dict[str, Loader] = {}
+
+
+def register(name: str) -> Callable[[Loader], Loader]:
+    def deco(loader: Loader) -> Loader:
+        if name in PROPOSERS or name == PLAIN:
+            raise ValueError(f"method {name!r} is already registered")
+        PROPOSERS[name] = loader
+        return loader
 
     return deco
 
 
-def make_proposer(name: str, **kwargs) -> Proposer:
+def method_names() -> tuple[str, ...]:
+    """Every decoding method: plain, then the registered ones."""
+    return (PLAIN, *PROPOSERS)
+
+
+def load_proposer(name: str, env: ProposerEnv) -> ProposerFactory:
+    """The method's proposer factory (loading what it needs now: a missing model fails here)."""
     try:
-        factory = PROPOSERS[name]
+        loader = PROPOSERS[name]
     except KeyError:
-        raise KeyError(f"unknown proposer {name!r}; known: {', '.join(sorted(PROPOSERS))}") from None
-    return factory(**kwargs)
+        raise InvalidRequest(f"unknown method {name!r}; choose one of {', '.join(method_names())}") from None
+    return loader(env)

@@ -1,71 +1,104 @@
 """Draft-model proposer: a small causal LM sharing the target's vocabulary drafts k tokens
-autoregressively (greedy, or sampled with its own seeded generator when the request samples).
+autoregressively (greedy, or sampled from each row's generator in ctx.generators).
 
-The draft keeps its own validity-masked KV cache, one row per sequence. Before each step it
-rolls every row back to the longest prefix its cache shares with the committed tokens and
-feeds the rest, so it never needs to be told what was accepted (the same rule rebuilds a
-cache that went missing or stale in a service).
+The draft works on `DraftRows`: its validity-masked KV cache, one row per sequence, and the
+tokens each row holds. Before each step it rolls every row back to the longest prefix its cache
+shares with the committed tokens and feeds the rest, so it never needs to be told what was
+accepted (observe does nothing), and the same rule rebuilds a cache that went missing or stale
+in a service. The draft service keeps one batch-1 DraftRows per session and hands the
+proposer the stacked rows of the sessions it drafts together.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
+from specdec.kv_cache import KVCache
+from specdec.kv_stack import split_cache, stack_caches
 from specdec.lm import CausalLM
-from specdec.proposers.base import register
-from specdec.sampling import logits_to_probs, make_generator, sample, sample_rows
-from specdec.types import Proposal, ProposeContext, Verdict
+from specdec.proposers.base import Proposer, ProposerEnv, ProposerFactory, register
+from specdec.sampling import logits_to_probs, sample_rows
+from specdec.types import Proposal, ProposeContext
+from specdec.verify import common_prefix_len, load_committed
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+class DraftRows:
+    """The draft's KV cache and, per cache row, the tokens whose KV it holds (in order)."""
 
+    def __init__(self, cache: KVCache, tokens: list[list[int]], row_ids: tuple[int, ...]):
+        self.cache = cache
+        self.tokens = tokens
+        self.row_ids = row_ids  # ProposeContext.row_ids these rows stand for
 
-@register("draft_model")
-class DraftModelProposer:
-    name = "draft_model"
+    @classmethod
+    def empty(cls, draft: CausalLM, row_ids: Sequence[int] = (0,)) -> "DraftRows":
+        return cls(draft.new_cache(len(row_ids)), [[] for _ in row_ids], tuple(row_ids))
 
-    def __init__(self, draft: CausalLM):
-        self.draft = draft
-        self.cache = None
-        self.row_ids: tuple[int, ...] = ()
-        self.cached_tokens: list[list[int]] = []  # per cache row: the tokens whose KV is valid, in order
-        self.generator: Optional[torch.Generator] = None
+    @classmethod
+    def stack(cls, parts: Sequence["DraftRows"], new_cache: Callable[[int], KVCache]) -> "DraftRows":
+        """Batch-1 rows (sessions) -> one DraftRows with row ids 0..n-1; the parts are left unchanged."""
+        return cls(stack_caches([p.cache for p in parts], new_cache), [list(p.tokens[0]) for p in parts],
+                   tuple(range(len(parts))))
 
-    def _sync_rows(self, ctx: ProposeContext) -> None:
-        if ctx.row_ids == self.row_ids:
+    def split(self, new_cache: Callable[[int], KVCache]) -> list["DraftRows"]:
+        """One batch-1 DraftRows per row (row id 0), in order."""
+        return [DraftRows(cache, [toks], (0,)) for cache, toks in zip(split_cache(self.cache, new_cache), self.tokens)]
+
+    def follow(self, draft: CausalLM, row_ids: tuple[int, ...]) -> None:
+        """Match the rows asked for: keep those still asked for (rows leave as they finish), or
+        start empty for a new set of sequences."""
+        if row_ids == self.row_ids:
             return
-        if self.cache is not None and set(ctx.row_ids) <= set(self.row_ids):
-            where = [self.row_ids.index(r) for r in ctx.row_ids]
+        if set(row_ids) <= set(self.row_ids):
+            where = [self.row_ids.index(r) for r in row_ids]
             self.cache.select_rows(torch.tensor(where, dtype=torch.long))
-            self.cached_tokens = [self.cached_tokens[i] for i in where]
+            self.tokens = [self.tokens[i] for i in where]
+            self.row_ids = row_ids
         else:
-            self.cache = self.draft.new_cache(len(ctx.row_ids))
-            self.cached_tokens = [[] for _ in ctx.row_ids]
-        self.row_ids = ctx.row_ids
+            fresh = DraftRows.empty(draft, row_ids)
+            self.cache, self.tokens, self.row_ids = fresh.cache, fresh.tokens, fresh.row_ids
+
+    def load(self, draft: CausalLM, committed: Sequence[int]) -> None:
+        """Batch 1: compute the KV of committed[:-1] now, keeping what the cache shares with it."""
+        load_committed(draft, self.cache, committed, cached=self.tokens[0])
+        self.tokens = [list(committed[:-1])]
+
+    def catch_up(self, draft: CausalLM, committed: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Roll each row back to what it shares with its committed tokens and feed the rest (at
+        least the last committed token) -> logits [rows, vocab] for the first drafted token."""
+        keep = [min(common_prefix_len(c, t), len(t) - 1) for c, t in zip(self.tokens, committed)]
+        self.cache.truncate(torch.tensor(keep))
+        logits = draft.prefill(self.cache, [list(t[n:]) for t, n in zip(committed, keep)]).logits
+        self.tokens = [list(t) for t in committed]
+        return logits
+
+    def append(self, tokens: Sequence[int]) -> None:
+        """One token fed per row."""
+        for row, t in zip(self.tokens, tokens):
+            row.append(int(t))
+
+
+class DraftModelProposer(Proposer):
+    name = "draft"
+
+    def __init__(self, draft: CausalLM, rows: Optional[DraftRows] = None):
+        """rows: the state to draft on (the draft service passes its sessions'); None: the
+        proposer's own, following the rows of each context."""
+        self.draft = draft
+        self.rows = rows if rows is not None else DraftRows.empty(draft, ())
 
     @torch.inference_mode()
     def propose(self, ctx: ProposeContext) -> list[Proposal]:
         k_max = max(ctx.k, default=0)
         if k_max == 0:
             return [Proposal() for _ in ctx.row_ids]
-        if self.generator is None:
-            seed = None if ctx.sampling.seed is None else ctx.sampling.seed + 0x5EED
-            self.generator = make_generator(seed)
-        self._sync_rows(ctx)
-        # 1. Roll each row back to what it shares with the committed tokens; feed the rest
-        #    (at least the last committed token, whose logits give the first draft).
-        keep = [min(common_prefix_len(c, t), len(t) - 1) for c, t in zip(self.cached_tokens, ctx.token_ids)]
-        self.cache.truncate(torch.tensor(keep))
-        feeds = [t[n:] for t, n in zip(ctx.token_ids, keep)]
-        logits = self.draft.prefill(self.cache, feeds).logits  # [batch, vocab]
-        self.cached_tokens = [list(t) for t in ctx.token_ids]
+        if not ctx.sampling.greedy and ctx.generators is None:
+            raise ValueError("a sampling draft needs ctx.generators (one per row)")
+        self.rows.follow(self.draft, ctx.row_ids)
+        # 1. Roll each row back to what it shares with the committed tokens; feed the rest.
+        logits = self.rows.catch_up(self.draft, ctx.token_ids)  # [batch, vocab]
         # 2. Draft k_max tokens for every row; rows that asked for fewer get a prefix.
         drafted, probs = [], []
         for step in range(k_max):
@@ -73,13 +106,12 @@ class DraftModelProposer:
                 tok = logits.argmax(-1)  # [batch]
             else:
                 p = logits_to_probs(logits, ctx.sampling)  # [batch, vocab]
-                tok = sample(p, self.generator) if ctx.generators is None else sample_rows(p, ctx.generators)  # [batch]
+                tok = sample_rows(p, ctx.generators)  # [batch]
                 probs.append(p)
             drafted.append(tok)
             if step + 1 < k_max:
-                logits = self.draft.forward(self.cache, tok[:, None]).logits[:, -1]
-                for row, t in zip(self.cached_tokens, tok.tolist()):
-                    row.append(t)
+                logits = self.draft.forward(self.rows.cache, tok[:, None]).logits[:, -1]
+                self.rows.append(tok.tolist())
         tokens = torch.stack(drafted, 1)  # [batch, k_max]
         draft_probs = torch.stack(probs, 1) if probs else None  # [batch, k_max, vocab]
         return [
@@ -88,5 +120,8 @@ class DraftModelProposer:
             for b, k in enumerate(ctx.k)
         ]
 
-    def observe(self, verdicts: Sequence[Verdict]) -> None:
-        pass  # the next propose() realigns the cache with the committed tokens
+
+@register("draft")
+def _load(env: ProposerEnv) -> ProposerFactory:
+    draft = env.load_draft()
+    return lambda: DraftModelProposer(draft)

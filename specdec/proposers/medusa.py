@@ -23,9 +23,8 @@ than its ctx.k.
 from __future__ import annotations
 
 import json
-import weakref
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -33,9 +32,9 @@ from specdec.costmodel import CostStore, verify_cost_at
 from specdec.errors import InvalidRequest, ModelLoadError
 from specdec.lm import CausalLM
 from specdec.medusa_heads import MedusaHeads, load_heads, shipped_heads_dir
-from specdec.proposers.base import register
+from specdec.proposers.base import Proposer, ProposerEnv, ProposerFactory, register
 from specdec.tree import CompiledTree, best_tree_for_cost, chain_tree, compile_tree, greedy_tree
-from specdec.types import Proposal, ProposeContext, Verdict
+from specdec.types import Proposal, ProposeContext
 
 AUTO_MAX_NODES = 64  # the automatic tree's size is chosen in 1..AUTO_MAX_NODES
 
@@ -83,8 +82,7 @@ def resolve_tree(spec, heads: MedusaHeads, target: Optional[CausalLM] = None,
     return paths
 
 
-@register("medusa")
-class MedusaProposer:
+class MedusaProposer(Proposer):
     name = "medusa"
     needs_hidden = True
 
@@ -136,9 +134,6 @@ class MedusaProposer:
             out.append(Proposal(token_ids=tuple(top[b, head, rank].tolist()), parents=tree.parents))
         return out
 
-    def observe(self, verdicts: Sequence[Verdict]) -> None:
-        pass
-
 
 def heads_for_target(target_name: str, heads_dir: Optional[str], lm: CausalLM) -> MedusaHeads:
     """Load heads from heads_dir, or the ones shipped for the target; refuse a mismatch."""
@@ -152,17 +147,11 @@ def heads_for_target(target_name: str, heads_dir: Optional[str], lm: CausalLM) -
     return load_heads(path, lm)
 
 
-# One proposer per (target, heads, tree), built on first use: loading the heads gathers the
-# draftable output rows, which is worth doing once per engine rather than once per request.
-_ENGINE_PROPOSERS: "weakref.WeakKeyDictionary[CausalLM, dict]" = weakref.WeakKeyDictionary()
-
-
-def medusa_for_engine(engine) -> MedusaProposer:
-    """The engine's Medusa proposer: heads from engine.config.medusa_heads or the shipped ones."""
-    lm = engine.target.lm
-    key = (engine.config.medusa_heads, engine.config.medusa_tree)
-    built = _ENGINE_PROPOSERS.setdefault(lm, {})
-    if key not in built:
-        heads = heads_for_target(lm.name, engine.config.medusa_heads, lm)
-        built[key] = MedusaProposer(lm, heads, engine.config.medusa_tree, engine.costs)
-    return built[key]
+@register("medusa")
+def _load(env: ProposerEnv) -> ProposerFactory:
+    """Heads from env.config.medusa_heads or the shipped ones, loaded once (loading gathers the
+    draftable output rows). The proposer keeps no state between steps (observe learns nothing),
+    so one serves every request and session."""
+    heads = heads_for_target(env.target.name, env.config.medusa_heads, env.target)
+    proposer = MedusaProposer(env.target, heads, env.config.medusa_tree, env.costs)
+    return lambda: proposer

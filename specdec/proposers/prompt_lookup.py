@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specdec.proposers.base import register
-from specdec.types import Proposal, ProposeContext, Verdict
+from specdec.proposers.base import Proposer, ProposerEnv, ProposerFactory, register
+from specdec.types import Proposal, ProposeContext
 
 
 def find_continuation(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> tuple[int, ...]:
@@ -28,9 +28,8 @@ def find_continuation(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngr
     return ()
 
 
-@register("prompt_lookup")
-class PromptLookupProposer:
-    name = "prompt_lookup"
+class PromptLookupProposer(Proposer):
+    name = "prompt-lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
@@ -42,5 +41,7 @@ class PromptLookupProposer:
         return [Proposal(token_ids=find_continuation(toks, k, self.max_ngram, self.min_ngram))
                 for toks, k in zip(ctx.token_ids, ctx.k)]
 
-    def observe(self, verdicts: Sequence[Verdict]) -> None:
-        pass
+
+@register("prompt-lookup")
+def _load(env: ProposerEnv) -> ProposerFactory:
+    return PromptLookupProposer

@@ -2,7 +2,7 @@
 for calls that are safe to repeat, and status codes turned back into the core's error types.
 
 Retries are done here, not by gRPC's service-config retry policy, which was seen ending calls
-early with DEADLINE_EXCEEDED in some fresh processes (notes.md). Propose, Verify and Decode are
+early with DEADLINE_EXCEEDED in some fresh processes. Propose, Verify and Decode are
 safe to repeat: every call carries the session's committed length and digest, and a service
 that already applied a call rolls back to that length before doing it again.
 """

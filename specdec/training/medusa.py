@@ -20,8 +20,7 @@ Recipe:
 5. Checkpoints every few minutes (heads, optimizer, step, elapsed time) with `--resume`; the
    batch order is a function of the step, so a resumed run sees the same batches. The heads
    directory is rewritten at every checkpoint, so an interrupted run still leaves usable heads.
-6. At the end: per-head, per-rank accuracy on held-out positions (drives the automatic tree),
-   and optionally a timed choice of the default tree on held-out prompts on this machine.
+6. At the end: per-head, per-rank accuracy on held-out positions (drives the automatic tree).
 """
 
 from __future__ import annotations
@@ -451,54 +450,6 @@ def train_medusa(target: CausalLM, examples: Sequence[Example], out_dir: Path, *
     return heads.eval(), state
 
 
-# --- choosing the default tree by measurement ------------------------------------------------
-
-def tree_candidates(accuracy: Sequence[Sequence[float]], num_heads: int,
-                    sizes: Sequence[int] = (3, 5, 8, 12, 16)) -> dict[str, list[tuple[int, ...]]]:
-    """Named trees to time: the top-1 chains of every depth and the greedy trees of `sizes` nodes."""
-    from specdec.tree import chain_tree, greedy_tree
-
-    out = {f"chain{d}": chain_tree(d) for d in range(2, num_heads + 1)}
-    if accuracy:
-        for n in sizes:
-            out[f"greedy{n}"] = greedy_tree(accuracy, n)
-    return out
-
-
-def select_tree(target: CausalLM, heads: MedusaHeads, prompts: Sequence[Sequence[int]],
-                candidates: dict[str, list[tuple[int, ...]]], max_new_tokens: int = 48,
-                log: Callable[[str], None] = print) -> tuple[str, dict[str, dict]]:
-    """Time plain decoding and Medusa with each candidate tree on the prompts (greedy, batch 1,
-    interleaved per prompt so machine noise hits all alike). Returns (fastest tree's name,
-    {name: {"tokens_per_s", "tau", "speedup"}}), "plain" included."""
-    from specdec.decode import plain_generate, speculative_generate
-    from specdec.proposers.medusa import MedusaProposer
-    from specdec.types import StopConditions
-
-    stop = StopConditions(max_new_tokens=max_new_tokens, eos_token_ids=target.eos_token_ids)
-    proposers = {name: MedusaProposer(target, heads, paths) for name, paths in candidates.items()}
-    secs = {name: 0.0 for name in ["plain", *proposers]}
-    toks = dict.fromkeys(secs, 0)
-    fwd = dict.fromkeys(secs, 0)
-    for p in prompts:
-        for name in secs:
-            t0 = time.perf_counter()
-            if name == "plain":
-                r = plain_generate(target, [p], stop=stop)[0]
-            else:
-                r = speculative_generate(target, proposers[name], [p], stop=stop, k=heads.config.num_heads)[0]
-            secs[name] += time.perf_counter() - t0
-            toks[name] += r.stats.emitted
-            fwd[name] += r.stats.target_forwards
-    base = toks["plain"] / secs["plain"]
-    table = {name: {"tokens_per_s": round(toks[name] / secs[name], 2), "tau": round(toks[name] / max(fwd[name], 1), 3),
-                    "speedup": round(toks[name] / secs[name] / base, 3)} for name in secs}
-    for name, row in table.items():
-        log(f"  {name:10s} {row['tokens_per_s']:7.2f} tok/s  tau {row['tau']:.2f}  x{row['speedup']:.2f}")
-    best = max(proposers, key=lambda name: table[name]["tokens_per_s"])
-    return best, table
-
-
 def extra_prompt_examples(target, count: int, seed: int = 7) -> list[Example]:
     """Training prompts without answers (specdec.training.prompts, never the evaluation set),
     chat-formatted: the target only reads them, so they cost one forward each."""
@@ -512,9 +463,7 @@ def extra_prompt_examples(target, count: int, seed: int = 7) -> list[Example]:
 
 
 def run_training_cli(args) -> int:
-    """`specdec train medusa ...`: load, train, optionally pick the default tree, summarize."""
-    import platform
-
+    """`specdec train medusa ...`: load, train, summarize."""
     from specdec.medusa_heads import read_config
     from specdec.models import load_model
 
@@ -540,23 +489,6 @@ def run_training_cli(args) -> int:
                                 max_steps=args.max_steps, resume=args.resume,
                                 checkpoint_every_s=args.checkpoint_every * 60, notes=notes)
     cfg = read_config(args.out)
-    if args.pick_tree:
-        keys = list(dict.fromkeys(ex.key for ex in examples))
-        held = {k for i, k in enumerate(keys) if i % recipe.heldout_every == 0}
-        prompts = [list(ex.prompt_ids) for ex in examples if ex.key in held][: args.pick_tree]
-        print(f"timing trees on {len(prompts)} held-out prompts ({platform.processor() or platform.machine()}):")
-        from specdec.medusa_heads import load_heads
-
-        loaded = load_heads(args.out, target.lm)
-        best, table = select_tree(target.lm, loaded, prompts, tree_candidates(cfg.accuracy, cfg.num_heads),
-                                  max_new_tokens=args.pick_tree_tokens)
-        cands = tree_candidates(cfg.accuracy, cfg.num_heads)
-        cfg = replace(cfg, default_tree=tuple(cands[best]),
-                      notes={**cfg.notes, "tree_selection": {"machine": platform.machine(), "prompts": len(prompts),
-                                                             "tokens_per_prompt": args.pick_tree_tokens,
-                                                             "chosen": best, "table": table}})
-        save_heads(loaded, args.out, cfg)
-        print(f"default tree: {best} ({len(cands[best])} nodes)")
     print(f"done in {(time.monotonic() - t0) / 60:.1f} min: {state.step} steps; held-out top-1 per head "
           f"{[row[0] for row in cfg.accuracy]}; heads in {args.out} (use: specdec generate --method medusa "
           f"--heads {args.out} ...)")

@@ -30,12 +30,12 @@ def test_bench_writes_the_table_the_plot_and_the_raw_results(tiny_run):
 
 
 def test_bench_runs_the_peers_and_every_engine_method_on_every_backend(tiny_run):
-    from specdec.engine import METHODS
+    from specdec.proposers import method_names
 
     _, result = tiny_run
     ran = {r["method"] for r in result["records"]}
     assert {"hf-generate", "hf-assisted", "hf-prompt-lookup"} <= ran
-    for method in METHODS:
+    for method in method_names():
         for backend in ("hf", "fast"):
             label = f"{method}@{backend}"
             assert label in ran or label in result["missing"], label

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
+from bench.slow_service import SlowLM
 from coordinator.core import CoordinatorSettings
 from coordinator.servicer import start_coordinator_server
 from draft_service.core import DraftSettings
@@ -82,6 +83,11 @@ async def local_stack(redis_url: str, target_lm: CausalLM, draft_lm: Optional[Ca
         for srv in [stack.coord, *stack.drafts, *stack.targets]:
             if srv is not None:
                 await srv.stop(0)
+
+
+def slow(lm: CausalLM, delay_ms: float = 10.0) -> SlowLM:
+    """The model with a sleep in every call: steps slow enough to act in the middle of a session."""
+    return SlowLM(lm, delay_ms / 1000)
 
 
 TEXT_VOCAB = 128  # the vocabulary size of a target that goes with save_char_tokenizer's tokenizer

@@ -15,8 +15,7 @@ from specdec.models import tiny_llama
 from specdec.rpc.clients import CoordinatorClient
 from specdec.rpc.launcher import free_port
 from specdec.rpc.serving import ServerSettings
-from target_service.core import TargetSettings
-from tests.services.stack import FAST, TEXT_VOCAB, local_stack, run, save_char_tokenizer
+from tests.services.stack import FAST, TEXT_VOCAB, local_stack, run, save_char_tokenizer, slow
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 
@@ -41,7 +40,7 @@ def test_the_streaming_client_prints_how_to_resume_after_a_cut_and_the_resume_gi
     lm, tokenizer_dir = text_target
 
     async def scenario():
-        async with local_stack(redis_url, lm, target_settings=TargetSettings(artificial_delay_ms=20.0)) as st:
+        async with local_stack(redis_url, slow(lm, 20.0)) as st:
             st.targets[0].core.tokenizer_dir = tokenizer_dir
             done = await _cli("hello", "--no-chat", "--stream", "--max-new-tokens", "12",
                               "--address", st.coord.address)

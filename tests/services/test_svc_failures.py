@@ -11,12 +11,10 @@ from coordinator.servicer import start_coordinator_server
 from specdec.decode import plain_generate
 from specdec.rpc.clients import CoordinatorClient
 from specdec.types import StopConditions
-from target_service.core import TargetSettings
 from tests.conftest import assert_greedy_equal
-from tests.services.stack import FAST, local_stack, run
+from tests.services.stack import FAST, local_stack, run, slow
 
 PROMPT = [3, 4, 10, 11, 12, 13, 14]
-SLOW = TargetSettings(artificial_delay_ms=10.0)  # steps slow enough to act in the middle of a session
 
 
 def _plain(lm, prompt, n):
@@ -36,7 +34,7 @@ def test_draft_killed_mid_generation_falls_back_and_drafting_resumes_after_resta
                                                                                   good_draft):
     async def scenario():
         # Fallback by plain target steps here (Lookahead is slow on this tiny model; its own test covers it).
-        async with local_stack(redis_url, long_target, good_draft, target_settings=SLOW, methods={}) as st:
+        async with local_stack(redis_url, slow(long_target), good_draft, methods={}) as st:
             chunks, sid = [], None
             killed = restarted = False
             async for ch in st.client.generate_stream(st.client.request(token_ids=PROMPT, max_tokens=100)):
@@ -63,7 +61,7 @@ def test_draft_killed_mid_generation_falls_back_and_drafting_resumes_after_resta
 
 def test_target_restarted_mid_session_completes_from_redis(redis_url, long_target, weak_draft):
     async def scenario():
-        async with local_stack(redis_url, long_target, weak_draft, target_settings=SLOW) as st:
+        async with local_stack(redis_url, slow(long_target), weak_draft) as st:
             chunks, port = [], st.targets[0].port
             restarted = False
             async for ch in st.client.generate_stream(st.client.request(token_ids=PROMPT, max_tokens=80)):
@@ -87,7 +85,7 @@ def test_two_target_replicas_keep_sessions_and_stopping_one_moves_only_its_sessi
     prompts = [[(5 * i + j) % 90 + 2 for j in range(4)] for i in range(8)]
 
     async def scenario():
-        async with local_stack(redis_url, long_target, weak_draft, n_targets=2, target_settings=SLOW) as st:
+        async with local_stack(redis_url, slow(long_target), weak_draft, n_targets=2) as st:
             # Session ids that the ring spreads 4 + 4 over the two replicas (ports differ from run to run).
             pool, ids, per = st.core.target_pool, [], {t.address: 0 for t in st.targets}
             for i in range(1000):
@@ -121,7 +119,7 @@ def test_two_target_replicas_keep_sessions_and_stopping_one_moves_only_its_sessi
 
 def test_client_reconnecting_with_the_session_id_gets_the_rest_without_repeats(redis_url, long_target, weak_draft):
     async def scenario():
-        async with local_stack(redis_url, long_target, weak_draft, target_settings=SLOW) as st:
+        async with local_stack(redis_url, slow(long_target), weak_draft) as st:
             first = []
             async for ch in st.client.generate_stream(st.client.request(token_ids=PROMPT, max_tokens=50)):
                 first.append(ch)
@@ -141,7 +139,7 @@ def test_client_reconnecting_with_the_session_id_gets_the_rest_without_repeats(r
 
 def test_session_resumes_on_a_new_coordinator_from_redis(redis_url, long_target, weak_draft):
     async def scenario():
-        async with local_stack(redis_url, long_target, weak_draft, target_settings=SLOW) as st:
+        async with local_stack(redis_url, slow(long_target), weak_draft) as st:
             first = []
             async for ch in st.client.generate_stream(st.client.request(token_ids=PROMPT, max_tokens=40)):
                 first.append(ch)
@@ -181,7 +179,7 @@ def test_client_cancellation_and_deadlines_stop_work_on_the_servers(redis_url, l
         raise AssertionError("the target kept working for a client that is gone")
 
     async def scenario():
-        async with local_stack(redis_url, long_target, weak_draft, target_settings=SLOW) as st:
+        async with local_stack(redis_url, slow(long_target), weak_draft) as st:
             got = 0
             async for ch in st.client.generate_stream(st.client.request(token_ids=PROMPT, max_tokens=400)):
                 got += len(ch.token_ids)

@@ -13,11 +13,9 @@ from specdec.models import tiny_llama
 from specdec.rpc import convert
 from specdec.rpc.clients import CoordinatorClient
 from specdec.rpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from target_service.core import TargetSettings
-from tests.services.stack import TEXT_VOCAB, local_stack, run, save_char_tokenizer
+from tests.services.stack import TEXT_VOCAB, local_stack, run, save_char_tokenizer, slow
 
 OK_PROMPT = [5, 6, 7, 8]
-SLOW = TargetSettings(artificial_delay_ms=10.0)
 
 BAD_SAMPLING = {
     "temperature inf": (dict(temperature=math.inf), "temperature"),
@@ -95,7 +93,7 @@ def test_a_request_the_draft_refuses_does_not_take_the_draft_from_other_sessions
     long_prompt = [(7 * i) % 90 + 2 for i in range(40)]
 
     async def scenario():
-        async with local_stack(redis_url, long_target, short_draft, target_settings=SLOW) as st:
+        async with local_stack(redis_url, slow(long_target), short_draft) as st:
             big = asyncio.create_task(st.client.generate(st.client.request(token_ids=long_prompt, max_tokens=60)))
             while not any(s.generated for s in st.core.runs.values()):  # bounded by run()'s timeout
                 await asyncio.sleep(0.01)
@@ -232,7 +230,7 @@ def test_a_target_that_stays_away_ends_the_stream_with_a_message_naming_the_sess
     from tests.services.stack import FAST
 
     async def scenario():
-        async with local_stack(redis_url, long_target, weak_draft, target_settings=SLOW,
+        async with local_stack(redis_url, slow(long_target), weak_draft,
                                settings=replace(FAST, target_wait_s=1.0)) as st:
             port, got, error = st.targets[0].port, 0, None
             try:

@@ -10,14 +10,14 @@ import copy
 import pytest
 
 from specdec.decode import plain_generate, speculative_generate
-from specdec.engine import METHODS
+from specdec.proposers import PROPOSERS
 from specdec.proposers import DraftModelProposer
 from specdec.types import SamplingParams, StopConditions
 from tests.conftest import assert_greedy_equal
 from tests.services.stack import local_stack, mean_batch_size, run
 
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 10, 11, 12, 13, 14], [20, 21, 22], [40, 41, 42, 43]]
-TARGET_METHODS = ["plain", "target", "prompt-lookup"] + [m for m in ("lookahead",) if m in METHODS]
+TARGET_METHODS = ["plain", "target", "prompt-lookup"] + [m for m in ("lookahead",) if m in PROPOSERS]
 
 
 def _plain(lm, prompt, n):

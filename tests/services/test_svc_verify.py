@@ -11,7 +11,7 @@ from specdec.decode import plain_generate
 from specdec.kv_stack import split_cache, stack_caches
 from specdec.sampling import make_generator
 from specdec.types import Proposal, SamplingParams, StopConditions
-from specdec.verify import VerifyJob, load_committed, verify_step
+from specdec.verify import RowStep, load_committed, verify_sessions
 
 
 def _cache(lm, tokens):
@@ -52,9 +52,13 @@ def test_batched_verify_step_equals_one_session_at_a_time_and_plain_decoding(tar
 
     def step(batched):
         caches = [_cache(target, p) for p in prompts]
-        jobs = [VerifyJob(c, p[-1], Proposal(token_ids=d), SamplingParams(), make_generator(0))
-                for c, p, d in zip(caches, prompts, drafts)]
-        outs = verify_step(target, jobs) if batched else [verify_step(target, [j])[0] for j in jobs]
+        rows = [RowStep(p[-1], Proposal(token_ids=d), SamplingParams(), make_generator(0))
+                for p, d in zip(prompts, drafts)]
+        if batched:
+            outs, caches = verify_sessions(target, caches, rows)
+        else:
+            done = [verify_sessions(target, [c], [r]) for c, r in zip(caches, rows)]
+            outs, caches = [o for (o,), _ in done], [c for _, (c,) in done]
         return [o.verdict.emitted for o in outs], [c.lengths.tolist() for c in caches]
 
     batched, lens_b = step(True)

@@ -15,6 +15,7 @@ class AuxProbe:
     a chain [a1, a2] attending to the root. Records what comes back."""
 
     name = "aux_probe"
+    needs_hidden = False
 
     def __init__(self):
         self.seen = []  # (committed tokens, aux logits)

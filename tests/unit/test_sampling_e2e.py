@@ -73,3 +73,15 @@ def test_seeded_speculative_sampling_is_reproducible(tiny_target, tiny_draft):
     runs = [speculative_generate(tiny_target, DraftModelProposer(tiny_draft), [[4, 5, 6]], sampling=sampling,
                                  stop=StopConditions(max_new_tokens=24), k=4)[0].token_ids for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_seeded_row_does_not_depend_on_its_batch_neighbours(tiny_target, tiny_draft):
+    sampling = SamplingParams(temperature=0.9, seed=42)
+
+    def first_row(prompts):
+        return speculative_generate(tiny_target, DraftModelProposer(tiny_draft), prompts, sampling=sampling,
+                                    stop=StopConditions(max_new_tokens=24), k=4)[0].token_ids
+
+    alone = first_row([[4, 5, 6]])
+    assert first_row([[4, 5, 6], [7, 8, 9, 10]]) == alone
+    assert first_row([[4, 5, 6], [11, 3], [50, 51, 52, 53, 54]]) == alone
