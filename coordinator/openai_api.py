@@ -304,7 +304,7 @@ TEXT = _Shape("cmpl-", "text_completion", "text_completion")
 
 def build_app(core: Coordinator, token_file=None) -> FastAPI:
     """The FastAPI app over `core`; `token_file`: a security.TokenFile (None: no token asked)."""
-    app = FastAPI(title="specdec OpenAI-compatible API", version="1",
+    app = FastAPI(title="specdec OpenAI-compatible API", version="1", openapi_url=None,
                   description="OpenAI-compatible completions over specdec's speculative decoding sessions.")
 
     @app.middleware("http")
@@ -335,12 +335,16 @@ def build_app(core: Coordinator, token_file=None) -> FastAPI:
         return JSONResponse(error_body(str(exc.detail)[:200], kind), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def failure(request, exc: Exception):
+    @app.exception_handler(SpecdecError)
+    async def refused(request, exc: SpecdecError):
         status, body = error_for(exc)
         if status == 500:
             log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(Exception)  # a bug: Starlette logs it (then re-raises it to uvicorn) and answers this
+    async def failure(request, exc: Exception):
+        return JSONResponse(error_for(exc)[1], status_code=500)
 
     async def served_model(name: str) -> str:
         info = await core.info()
@@ -393,6 +397,19 @@ def build_app(core: Coordinator, token_file=None) -> FastAPI:
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return PlainTextResponse(core.metrics.exposition().decode(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_document():
+        """The OpenAPI document, naming the served model once the target has answered."""
+        schema = openapi()
+        try:
+            name = (await core.info()).name
+        except SpecdecError:
+            return schema
+        doc = json.loads(json.dumps(schema))
+        for body in ("ChatCompletionRequest", "CompletionRequest"):
+            doc["components"]["schemas"][body]["properties"]["model"]["enum"] = [name]
+        return doc
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -495,7 +512,7 @@ class RunningHttp:
 
     async def stop(self, grace: float = 0.0) -> None:
         """Refuse new connections, give open ones `grace` seconds, then close them."""
-        self.server.config.timeout_graceful_shutdown = grace
+        self.server.config.timeout_graceful_shutdown = max(grace, 0.5)  # 0 would time out with nothing to wait for
         self.server.should_exit = True
         try:
             await asyncio.wait_for(asyncio.shield(self.task), grace + 2.0)
