@@ -97,22 +97,24 @@ async def start_coordinator_server(redis_url: str, draft_addresses: Sequence[str
     draft_pool, target_pool = replica_pools(draft_addresses, target_addresses, settings, upstream_tls)
     core = Coordinator(store, draft_pool, target_pool, settings, metrics)
     core.start()
-    running = await start_server(
-        server, lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(core), s),
-        [SERVICE_NAME], metrics)
-    running.core = core
-    running.http = None
-    if http_port is not None:
-        from coordinator.openai_api import start_http_server  # FastAPI only where HTTP is served
+    http = None
+    try:
+        if http_port is not None:  # listening before gRPC health says SERVING
+            from coordinator.openai_api import start_http_server  # FastAPI only where HTTP is served
 
-        try:
-            running.http = await start_http_server(core, server.host, http_port, server.tls,
-                                                   TokenFile(server.token_file) if server.token_file else None)
-        except BaseException:
-            await running.stop(0)
-            await core.close()
-            raise
-        running.on_stop.append(lambda: running.http.stop(running.stop_grace))
+            http = await start_http_server(core, server.host, http_port, server.tls,
+                                           TokenFile(server.token_file) if server.token_file else None)
+        running = await start_server(
+            server, lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(core), s),
+            [SERVICE_NAME], metrics)
+    except BaseException:
+        if http is not None:
+            await http.stop(0)
+        await core.close()
+        raise
+    running.core, running.http = core, http
+    if http is not None:  # after the gRPC server drained, with its grace period
+        running.on_stop.append(lambda: http.stop(running.stop_grace))
     core.on_store_change = running.set_serving
     running.on_stop.append(core.close)
     return running
