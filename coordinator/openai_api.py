@@ -11,7 +11,8 @@ path, two front doors. The same bearer token file guards both; TLS is the gRPC p
   client already has (resume); the `specdec` response field carries the session id, the tokens
   generated so far and the statistics (method, tau, alpha, target forwards). Standard clients
   ignore both.
-- GET /v1/models (the served target and its methods), GET /health (no token), GET /metrics.
+- GET /v1/models (the served target and its methods), GET /health (no token), GET /metrics,
+  GET /openapi.json (naming the served model).
 - Errors in OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 bad input, 401
   missing or wrong token, 404 unknown model or session, 409 a session id holding another request,
   413 a body over the size limit, 429 overloaded, 503 a dependency down; anything else is logged
@@ -54,7 +55,7 @@ log = logging.getLogger("coordinator.http")
 
 MAX_BODY_BYTES = 4 << 20  # as the gRPC port's message limit: a request is a prompt
 UNAUTHENTICATED = "missing or invalid bearer token"
-OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect")  # no token asked
+OPEN_PATHS = ("/health",)  # no token asked (probes carry none); /metrics and the schema need one on this public port
 
 
 # --- the wire: OpenAI's request and response shapes (the subset served) -----------------------

@@ -258,21 +258,24 @@ def test_bearer_tokens_and_tls_of_the_grpc_port_guard_the_http_port(redis_url, t
                 missing = await http.post("/v1/completions", json={"model": model, "prompt": "hi"})
                 health = await http.get("/health")
                 models = await http.get("/v1/models")
+                metrics = (await http.get("/metrics"),
+                           await http.get("/metrics", headers={"Authorization": f"Bearer {TOKEN}"}))
             plaintext = None
             try:
                 async with httpx.AsyncClient(timeout=10) as http:
                     await http.get(url.replace("https://", "http://") + "/health")
             except httpx.HTTPError as exc:
                 plaintext = exc
-            return url, good, wrong, missing, health, models, plaintext
+            return url, good, wrong, missing, health, models, metrics, plaintext
 
-    url, good, wrong, missing, health, models, plaintext = run(scenario())
+    url, good, wrong, missing, health, models, metrics, plaintext = run(scenario())
     assert url.startswith("https://")
     assert good.choices[0].text == _expected(lm, tokenizer_dir, 5, text=TEXT)[0]
     assert isinstance(wrong, openai.AuthenticationError) and wrong.status_code == 401
     assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
     assert missing.json()["error"]["type"] == "authentication_error"
-    assert models.status_code == 401
+    assert models.status_code == 401 and metrics[0].status_code == 401
+    assert metrics[1].status_code == 200 and "specdec_generated_tokens_total 5.0" in metrics[1].text
     assert health.status_code == 200, "health needs no token"
     assert plaintext is not None, "plaintext HTTP was answered on a TLS port"
 
