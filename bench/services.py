@@ -10,7 +10,9 @@ Measures, greedy, on dev prompts (one per category, chat template, first turn):
    own process on loopback, one session at a time;
 3. 8 concurrent sessions (aggregate tokens/s) vs one at a time;
 4. pipelining on vs off, without and with an artificial delay on every target step (a stand-in
-   for a busy GPU or a network hop: the target's model sleeps, using no CPU; bench/slow_service.py).
+   for a busy GPU or a network hop: the target's model sleeps, using no CPU; bench/slow_service.py);
+5. the same coordinator streamed through gRPC and through its OpenAI-compatible HTTP API (SSE):
+   tokens/s and time to first token side by side (`--api-only`: just 5, and in-process plain).
 Every run is checked token for token against plain decoding. Numbers are tokens/s of generated
 tokens, wall clock, including prompt processing.
 
@@ -111,6 +113,57 @@ async def through(address, prompts, n, k, concurrent=False):
                 tau=stats["emitted"] / max(1, stats["target_forwards"]), **stats)
 
 
+async def streamed(api: str, address: str, prompts, n, k):
+    """One prompt at a time, streamed through gRPC (`address` host:port) or the HTTP API (a base
+    URL): tokens/s over the whole run and the median time to the first text."""
+    import statistics
+
+    ttft, texts, outputs, toks = [], [], [], 0
+    t0 = time.perf_counter()
+    if api == "grpc":
+        from specdec.rpc.clients import CoordinatorClient
+
+        client = CoordinatorClient(address)
+        try:
+            for p in prompts:
+                start, first, ids = time.perf_counter(), None, []
+                async for ch in client.generate_stream(client.request(token_ids=p, max_tokens=n, k=k)):
+                    if first is None and ch.text:
+                        first = time.perf_counter() - start
+                    ids += ch.token_ids
+                ttft.append(first or 0.0)
+                outputs.append(ids)
+                toks += len(ids)
+        finally:
+            await client.close()
+    else:
+        import httpx
+
+        async with httpx.AsyncClient(base_url=address, timeout=600) as http:
+            model = (await http.get("/v1/models")).json()["data"][0]["id"]
+            for p in prompts:
+                start, first, text, used = time.perf_counter(), None, "", 0
+                body = {"model": model, "prompt": p, "max_tokens": n, "temperature": 0, "stream": True,
+                        "stream_options": {"include_usage": True}, "specdec": {"k": k}}
+                async with http.stream("POST", "/v1/completions", json=body) as resp:
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("usage"):
+                            used = chunk["usage"]["completion_tokens"]
+                        for c in chunk["choices"]:
+                            if first is None and c["text"]:
+                                first = time.perf_counter() - start
+                            text += c["text"]
+                ttft.append(first or 0.0)
+                texts.append(text)
+                toks += used
+    el = time.perf_counter() - t0
+    return dict(tokens=toks, seconds=el, tok_s=toks / el, ttft_s=statistics.median(ttft), outputs=outputs,
+                texts=texts)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=4)
@@ -128,6 +181,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved repetitions; the median is reported")
     ap.add_argument("--json", default=None, help="also write every run's numbers here")
     ap.add_argument("--log-dir", default="runs/bench-services")
+    ap.add_argument("--api-only", action="store_true",
+                    help="only gRPC vs HTTP streaming (and in-process plain, the reference output)")
     args = ap.parse_args()
 
     from draft_service.models import load_draft
@@ -166,14 +221,17 @@ def main() -> int:
             "draft": procs.start(*draft_argv, log=logs / "draft.log"),
             "target": procs.start("-m", "target_service", "--host", "127.0.0.1", "--port", str(ports["target"]),
                                   "--metrics-port", "-1", *target_extra, log=logs / "target.log"),
-            "target_slow": procs.start(slow, "target", "--delay-ms", str(args.delay_ms), "--host", "127.0.0.1",
-                                       "--port", str(ports["target_slow"]), "--metrics-port", "-1", *target_extra,
-                                       log=logs / "target_slow.log"),
         }
-        coords = {"c_plain": ("target", False), "c_pipe": ("target", True), "c_slow": ("target_slow", False),
-                  "c_slow_pipe": ("target_slow", True)}
+        coords = {"c_plain": ("target", False)}
+        if not args.api_only:
+            started["target_slow"] = procs.start(slow, "target", "--delay-ms", str(args.delay_ms), "--host",
+                                                 "127.0.0.1", "--port", str(ports["target_slow"]), "--metrics-port",
+                                                 "-1", *target_extra, log=logs / "target_slow.log")
+            coords.update(c_pipe=("target", True), c_slow=("target_slow", False), c_slow_pipe=("target_slow", True))
+        http_port = free_port()
         for name, (tgt, pipe) in coords.items():
             started[name] = procs.start("-m", "coordinator", "--host", "127.0.0.1", "--port", str(ports[name]),
+                                        "--http-port", str(http_port if name == "c_plain" else -1),
                                         "--metrics-port", "-1", "--redis-url", redis.url,
                                         "--draft-replicas", f"127.0.0.1:{ports['draft']}",
                                         "--target-replicas", f"127.0.0.1:{ports[tgt]}",
@@ -186,10 +244,16 @@ def main() -> int:
 
         asyncio.run(wait_all())
         addr = lambda name: f"127.0.0.1:{ports[name]}"  # noqa: E731
+        http_url = f"http://127.0.0.1:{http_port}"
         for name in coords:  # warm-up: first forward passes, tokenizer
             asyncio.run(through(addr(name), prompts[:1], 4, k))
+        asyncio.run(streamed("http", http_url, prompts[:1], 4, k))
         many = [prompts[i % len(prompts)] for i in range(args.concurrency)]
         d = f"{args.delay_ms:g}"
+        api = {
+            "services, gRPC stream": lambda: asyncio.run(streamed("grpc", addr("c_plain"), prompts, n, k)),
+            "services, HTTP stream (OpenAI API)": lambda: asyncio.run(streamed("http", http_url, prompts, n, k)),
+        }
         configs = {
             "in-process plain": lambda: in_process_run(loaded.lm, draft, prompts, n, k, "plain"),
             "in-process speculative": lambda: in_process_run(loaded.lm, draft, prompts, n, k, "speculative"),
@@ -200,7 +264,10 @@ def main() -> int:
             f"services, target +{d} ms/step": lambda: asyncio.run(through(addr("c_slow"), prompts, n, k)),
             f"services, target +{d} ms/step, pipelined": lambda: asyncio.run(through(addr("c_slow_pipe"), prompts,
                                                                                       n, k)),
+            **api,
         }
+        if args.api_only:
+            configs = {"in-process plain": configs["in-process plain"], **api}
         for r in range(args.rounds):  # interleaved, so a noisy neighbour hits every configuration alike
             for name, fn in configs.items():
                 runs.setdefault(name, []).append(fn())
@@ -212,15 +279,24 @@ def main() -> int:
     # Per configuration: the run with the median tokens/s.
     results = {name: sorted(rs, key=lambda x: x["tok_s"])[len(rs) // 2] for name, rs in runs.items()}
     plain = results["in-process plain"]["outputs"]
-    spec = results["in-process speculative"]
+    plain_text = [loaded.tokenizer.decode(o, skip_special_tokens=True) for o in plain]
+    spec = results.get("in-process speculative", results["in-process plain"])
     print("\n| run (median of rounds) | tokens | s | tok/s | vs in-process speculative | tau | pipeline hits/misses "
-          "| greedy == plain |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| time to first token | greedy == plain |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        same = all(o == plain[i % len(plain)] for i, o in enumerate(r["outputs"]))
+        same = (all(t == plain_text[i % len(plain)] for i, t in enumerate(r["texts"])) if r.get("texts")
+                else all(o == plain[i % len(plain)] for i, o in enumerate(r["outputs"])))
         hm = f"{r.get('pipeline_hits', '-')}/{r.get('pipeline_misses', '-')}"
+        ttft = f"{r['ttft_s'] * 1000:.0f} ms" if "ttft_s" in r else "-"
+        tau = f"{r['tau']:.2f}" if "tau" in r else "-"
         print(f"| {name} | {r['tokens']} | {r['seconds']:.1f} | {r['tok_s']:.2f} | {r['tok_s'] / spec['tok_s']:.2f}x "
-              f"| {r['tau']:.2f} | {hm} | {'yes' if same else 'NO'} |")
+              f"| {tau} | {hm} | {ttft} | {'yes' if same else 'NO'} |")
+    g, h = results["services, gRPC stream"], results["services, HTTP stream (OpenAI API)"]
+    print(f"\nHTTP / gRPC streaming: {h['tok_s'] / g['tok_s']:.2f}x tokens/s; time to first token "
+          f"{h['ttft_s'] * 1000:.0f} vs {g['ttft_s'] * 1000:.0f} ms")
+    if args.api_only:
+        return 0
     single = results["services"]["tok_s"]
     conc = results[f"services, {args.concurrency} concurrent"]["tok_s"]
     d = f"{args.delay_ms:g}"

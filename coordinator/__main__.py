@@ -1,11 +1,13 @@
 """Run the coordinator (the public API).
 
-    python -m coordinator --host 0.0.0.0 --port 50051 --metrics-port 9451 --redis-url redis://HOST:6379/0
+    python -m coordinator --host 0.0.0.0 --port 50051 --http-port 8000 --metrics-port 9451 --redis-url redis://HOST:6379/0
         [--draft-replicas h:p,...] [--target-replicas h:p,...] [--discovery static|kubernetes]
         [--namespace NS] [--draft-service NAME] [--target-service NAME] [--session-ttl S]
         [--grace-period S] [--config FILE]
 
 --redis-url URL        where sessions live (required)
+--http-port P          the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
+                       /health, /metrics) on this port (default 8000; -1: off); same TLS and tokens as gRPC
 --draft-replicas L     draft replicas host:port,... or @FILE (one per line); static discovery
 --target-replicas L    target replicas host:port,... or @FILE; static discovery
 --discovery MODE       static (the lists above, default) or kubernetes (watch EndpointSlices)
@@ -52,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_flags(p, port=50051, metrics_port=9451)
     p.set_defaults(max_message_bytes=4 << 20)
     p.add_argument("--redis-url", default=None, help="redis://HOST:6379/0 (required)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP API port (default 8000; -1: off), same TLS and tokens as gRPC")
     p.add_argument("--draft-replicas", default="", help="host:port,... or @FILE")
     p.add_argument("--target-replicas", default="", help="host:port,... or @FILE")
     p.add_argument("--discovery", choices=["static", "kubernetes"], default="static")
@@ -122,7 +126,8 @@ async def _serve(args: argparse.Namespace) -> None:
     drafts = parse_replicas(args.draft_replicas) if static and args.draft_replicas else []
     targets = parse_replicas(args.target_replicas) if static and args.target_replicas else []
     running = await start_coordinator_server(args.redis_url, drafts, targets, server_settings(args), settings,
-                                             upstream_tls=upstream_tls(args), redis_options=redis_options(args))
+                                             upstream_tls=upstream_tls(args), redis_options=redis_options(args),
+                                             http_port=None if args.http_port < 0 else args.http_port)
     watchers = []
     if not static:
         ns = args.namespace or (open(_NS_FILE).read().strip() if os.path.exists(_NS_FILE) else "default")
@@ -132,9 +137,10 @@ async def _serve(args: argparse.Namespace) -> None:
                     EndpointSliceWatcher(ns, args.target_service, core.target_pool.set_addresses, loop)]
         for w in watchers:
             w.start()
-    logging.getLogger("coordinator").info("coordinator listening on %s:%d (drafts %s, targets %s), metrics on %s",
-                                          args.host, running.port, drafts or args.discovery,
-                                          targets or args.discovery, running.metrics_port)
+    logging.getLogger("coordinator").info("coordinator listening on %s:%d (drafts %s, targets %s), metrics on %s, "
+                                          "HTTP API on %s", args.host, running.port, drafts or args.discovery,
+                                          targets or args.discovery, running.metrics_port,
+                                          running.http.port if running.http else "none")
     await serve_until_signal(running, args.grace_period)
     for w in watchers:
         w.stop()

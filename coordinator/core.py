@@ -213,7 +213,8 @@ class Coordinator:
         return await asyncio.to_thread(apply_template)
 
     # --- requests -------------------------------------------------------------------------
-    def _methods(self, info: ModelInfo) -> tuple[str, ...]:
+    def methods(self, info: ModelInfo) -> tuple[str, ...]:
+        """What a request's method may name: auto, the draft service, or a target-side method."""
         return ("auto", "draft", "target", *info.methods)
 
     async def _new_record(self, req: Request, session_id: str) -> SessionRecord:
@@ -230,8 +231,8 @@ class Coordinator:
         if not 1 <= k <= max_k:
             raise InvalidRequest(f"k must be in [1, {max_k}], got {k}")
         method = req.method or "auto"
-        if method not in self._methods(info):
-            raise InvalidRequest(f"unknown method {method!r}; choose one of {', '.join(self._methods(info))}")
+        if method not in self.methods(info):
+            raise InvalidRequest(f"unknown method {method!r}; choose one of {', '.join(self.methods(info))}")
         if req.stop and self._tokenizer is None:
             raise InvalidRequest("stop strings need the target's tokenizer")
         StopConditions(max_new_tokens=max_tokens, stop_strings=tuple(req.stop))  # validates

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 from specdec.rpc import convert
 from specdec.rpc.metrics import ServiceMetrics
-from specdec.rpc.security import ClientTLS
+from specdec.rpc.security import ClientTLS, TokenFile
 from specdec.rpc.serving import RunningServer, ServerSettings, start_server
 from specdec.rpc.v1 import coordinator_pb2, coordinator_pb2_grpc, draft_pb2, target_pb2
 from specdec.rpc.clients import DraftClient, TargetClient
@@ -86,19 +86,35 @@ async def start_coordinator_server(redis_url: str, draft_addresses: Sequence[str
                                    server: ServerSettings = ServerSettings(max_message_bytes=PUBLIC_MAX_MESSAGE_BYTES),
                                    settings: CoordinatorSettings = CoordinatorSettings(),
                                    upstream_tls: Optional[ClientTLS] = None,
-                                   redis_options: Optional[dict] = None) -> RunningServer:
+                                   redis_options: Optional[dict] = None,
+                                   http_port: Optional[int] = None) -> RunningServer:
     """`upstream_tls`: TLS to the draft and target replicas (with the coordinator's client
     certificate for mutual TLS); `redis_options`: redis-py connection settings beside the URL
-    (username, password, ssl_ca_certs, ...)."""
+    (username, password, ssl_ca_certs, ...); `http_port`: also serve the OpenAI-compatible HTTP
+    API there (0: any free port; None: not at all), with the gRPC port's TLS and token file."""
     metrics = ServiceMetrics("coordinator")
     store = SessionStore(redis_url, ttl_s=settings.session_ttl_s, **(redis_options or {}))
     draft_pool, target_pool = replica_pools(draft_addresses, target_addresses, settings, upstream_tls)
     core = Coordinator(store, draft_pool, target_pool, settings, metrics)
     core.start()
-    running = await start_server(
-        server, lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(core), s),
-        [SERVICE_NAME], metrics)
-    running.core = core
+    http = None
+    try:
+        if http_port is not None:  # listening before gRPC health says SERVING
+            from coordinator.openai_api import start_http_server  # FastAPI only where HTTP is served
+
+            http = await start_http_server(core, server.host, http_port, server.tls,
+                                           TokenFile(server.token_file) if server.token_file else None)
+        running = await start_server(
+            server, lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(core), s),
+            [SERVICE_NAME], metrics)
+    except BaseException:
+        if http is not None:
+            await http.stop(0)
+        await core.close()
+        raise
+    running.core, running.http = core, http
+    if http is not None:  # after the gRPC server drained, with its grace period
+        running.on_stop.append(lambda: http.stop(running.stop_grace))
     core.on_store_change = running.set_serving
     running.on_stop.append(core.close)
     return running

@@ -42,3 +42,9 @@ class Aborted(SpecdecError):
 
 class RemoteError(SpecdecError):
     """A service failed in a way the caller cannot fix (INTERNAL, UNKNOWN, ...)."""
+
+
+def public_message(exc: BaseException, default: str) -> str:
+    """The one line of an error a client may see (front ends map only SpecdecErrors through this)."""
+    text = str(exc)
+    return text.splitlines()[0][:500] if text.strip() else default

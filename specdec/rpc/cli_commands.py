@@ -11,6 +11,8 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start redis-server, the target, draft and coordinator services on loopback")
     p.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     p.add_argument("--port", type=int, default=50051, help="coordinator port (what `specdec client` calls)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="coordinator's OpenAI-compatible HTTP API port (base URL http://HOST:PORT/v1; -1: off)")
     p.add_argument("--draft-port", type=int, default=50061, help="draft service port")
     p.add_argument("--target-port", type=int, default=50062, help="target service port")
     p.add_argument("--redis-port", type=int, default=0, help="redis-server port (0: a free port)")
@@ -39,12 +41,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
           file=sys.stderr)
     stack = start_stack(args.host, (args.port, args.draft_port, args.target_port), args.redis_port, args.draft,
                         args.target, args.pipeline, metrics=not args.no_metrics, timeout=args.timeout,
-                        log_dir=args.log_dir)
+                        log_dir=args.log_dir, http_port=None if args.http_port < 0 else args.http_port)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     try:
         print(f"redis        {stack.redis.url}  (pid {stack.redis.proc.pid})")
         for svc in stack.services:
             print(f"{svc.name:<12} {args.host}:{svc.port}  (pid {svc.proc.pid})")
+        if stack.http_url:
+            print(f"{'openai api':<12} {stack.http_url}  (OpenAI-compatible HTTP: set the SDK's base_url to it)")
         print(f'specdec up: ready. Try: specdec client "Write a haiku about the sea." --address {args.host}:{args.port}'
               f"   (Ctrl-C stops everything)", flush=True)
         # A child that dies is restarted (with back-off); everything stops only on Ctrl-C / SIGTERM.

@@ -163,6 +163,7 @@ class _Restarts:
 class Stack:
     redis: RedisServer
     services: list[Service] = field(default_factory=list)
+    http_url: Optional[str] = None  # the coordinator's OpenAI-compatible API (None: off)
     _restarts: dict[str, _Restarts] = field(default_factory=dict)
 
     def _children(self):
@@ -236,8 +237,9 @@ async def _wait_serving(address: str, service: str, proc: subprocess.Popen, time
 def start_stack(host: str = "127.0.0.1", ports: Sequence[int] = (50051, 50061, 50062), redis_port: int = 0,
                 draft: Optional[str] = None, target: Optional[str] = None, pipeline: bool = False,
                 metrics: bool = True, timeout: float = 180.0, log_dir: Optional[str] = None,
-                extra: Optional[dict[str, list[str]]] = None) -> Stack:
-    """redis-server + target + draft + coordinator as child processes; returns when all are SERVING."""
+                extra: Optional[dict[str, list[str]]] = None, http_port: Optional[int] = 8000) -> Stack:
+    """redis-server + target + draft + coordinator as child processes; returns when all are SERVING.
+    `http_port`: the coordinator's OpenAI-compatible HTTP API (None: off)."""
     coord_port, draft_port, target_port = ports
     stack = Stack(RedisServer(port=redis_port).start())
     py = sys.executable
@@ -251,7 +253,10 @@ def start_stack(host: str = "127.0.0.1", ports: Sequence[int] = (50051, 50061, 5
         draft_argv += ["--draft", draft]
     coord_argv = [py, "-m", "coordinator", "--host", host, "--port", str(coord_port), *m(9451),
                   "--redis-url", stack.redis.url, "--draft-replicas", f"{host}:{draft_port}",
-                  "--target-replicas", f"{host}:{target_port}", "--pipeline" if pipeline else "--no-pipeline"]
+                  "--target-replicas", f"{host}:{target_port}", "--pipeline" if pipeline else "--no-pipeline",
+                  "--http-port", str(-1 if http_port is None else http_port)]
+    if http_port is not None:
+        stack.http_url = f"http://{host}:{http_port}/v1"
     log = (lambda name: os.path.join(log_dir, f"{name}.log")) if log_dir else (lambda name: None)
     stack.services = [
         Service("target", target_argv + extra.get("target", []), target_port, "specdec.rpc.v1.TargetService",

@@ -29,7 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec.errors import (Aborted, FailedPrecondition, IncompatibleModels, InvalidRequest, ModelLoadError, NotFound,
-                            Overloaded, SpecdecError, Unavailable)
+                            Overloaded, SpecdecError, Unavailable, public_message)
 from specdec.rpc.metrics import ServiceMetrics
 from specdec.rpc.security import SecurityConfigError, ServerTLS, TokenAuthInterceptor, TokenFile, check_plaintext_allowed
 
@@ -54,7 +54,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and the one-line message a client may see for an exception."""
     for cls, code in _STATUS:
         if isinstance(exc, cls):
-            return code, str(exc).splitlines()[0][:500] if str(exc) else code.name.lower()
+            return code, public_message(exc, code.name.lower())
     return grpc.StatusCode.INTERNAL, "internal error"
 
 
@@ -170,6 +170,7 @@ class RunningServer:
     health_server: Optional[grpc.aio.Server] = None
     health_port: Optional[int] = None
     on_stop: list[Callable[[], object]] = field(default_factory=list)
+    stop_grace: float = 0.0  # the grace period of the stop in progress (for other servers stopped with this one)
     _stopped: bool = False
 
     @property
@@ -188,6 +189,7 @@ class RunningServer:
         if self._stopped:
             return
         self._stopped = True
+        self.stop_grace = grace if grace is not None else 30.0
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         if self.health_server is not None:

@@ -378,7 +378,8 @@ def check_ports(objs: list[Obj]) -> list[str]:
         if s.host not in ("0.0.0.0", "::", "[::]"):
             problems.append(f"{where}: listens on --host {s.host}, unreachable from other pods")
         ports = {p.get("name"): p["containerPort"] for p in r.container.get("ports") or []}
-        want = {"grpc": s.port, "metrics": s.metrics_port, "health": s.health_port}
+        want = {"grpc": s.port, "metrics": s.metrics_port, "health": s.health_port,
+                "http": getattr(s, "http_port", None)}  # the coordinator's OpenAI-compatible API
         for pname, value in want.items():
             if value is None or value < 0:
                 continue

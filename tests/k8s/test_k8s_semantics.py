@@ -97,6 +97,12 @@ def test_container_port_differing_from_the_port_flag_is_reported(cpu):
     assert_reported(problems_after(cpu, edit), "specdec-target", "containerPort grpc is 50099", "listens on 50062")
 
 
+def test_http_port_flag_differing_from_the_coordinators_http_container_port_is_reported(cpu):
+    def edit(objs):
+        set_arg(container(objs, "specdec-coordinator"), "--http-port", "8080")
+    assert_reported(problems_after(cpu, edit), "specdec-coordinator", "containerPort http is 8000", "listens on 8080")
+
+
 def test_port_flag_changed_alone_is_reported_at_every_port_that_follows_it(cpu):
     def edit(objs):
         set_arg(container(objs, "specdec-draft"), "--port", "50070")

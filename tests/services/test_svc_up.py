@@ -1,6 +1,7 @@
 """`specdec up` as a real process (redis-server and the three services as its children, tiny models
-saved to disk): it says `ready` without warnings while its services start, restarts a child that
-dies (a stream goes on across a killed draft and a killed target), and says `stopped`."""
+saved to disk): it says `ready` without warnings while its services start, prints the URL of the
+OpenAI-compatible HTTP API (where README's openai-SDK code works), restarts a child that dies (a
+stream goes on across a killed draft and a killed target), and says `stopped`."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class Up:
         self.address = f"127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "specdec", "up", "--target", target_dir, "--draft", draft_dir,
                 "--port", str(self.port), "--draft-port", str(free_port()), "--target-port", str(free_port()),
-                "--no-metrics", "--timeout", "240"]
+                "--http-port", str(free_port()), "--no-metrics", "--timeout", "240"]
         self.out = open(self.out_path, "wb")
         self.proc = subprocess.Popen(argv, stdout=self.out, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
@@ -106,6 +107,31 @@ def test_up_says_ready_without_warnings_while_its_services_start(up):
     before_ready = up.text()[: up.wait_for(r"ready", 1).start()]
     assert "WARNING" not in before_ready, before_ready
     assert re.search(r"^specdec up: ready", up.text(), re.M), up.text()
+
+
+def test_up_prints_the_openai_url_where_the_readme_sdk_code_gets_the_grpc_answer(up):
+    import openai
+
+    base_url = up.wait_for(r"^openai api\s+(\S+)", 1).group(1)
+    # README "OpenAI-compatible HTTP API", unchanged but for the base URL.
+    client = openai.OpenAI(base_url=base_url, api_key="unused")
+    model = client.models.list().data[0].id
+    answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Write a haiku."}],
+                                            max_tokens=12, temperature=0)
+    text = client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0)
+
+    async def grpc_answers():
+        grpc = CoordinatorClient(up.address)
+        try:
+            return (await grpc.generate(grpc.request(chat=[("user", "Write a haiku.")], max_tokens=12), timeout=60),
+                    await grpc.generate(grpc.request(text="Once upon a time", max_tokens=12), timeout=60))
+        finally:
+            await grpc.close()
+
+    chat_grpc, text_grpc = asyncio.run(asyncio.wait_for(grpc_answers(), 120))
+    assert base_url.startswith("http://127.0.0.1:") and base_url.endswith("/v1")
+    assert answer.choices[0].message.content == chat_grpc.text and answer.usage.completion_tokens == 12
+    assert text.choices[0].text == text_grpc.text and len(text_grpc.text) > 0
 
 
 def test_up_restarts_a_killed_draft_and_target_and_the_stream_goes_on(up, long_models):
