@@ -137,20 +137,27 @@ class SessionRun:
         t0 = time.perf_counter() - self.stats.elapsed_s
         try:
             if not self.finished:
+                t_prefill = time.perf_counter()
                 await self._prefill_both()
+                self._timed("prefill", t_prefill)
             while not self.finished:
+                t_step = time.perf_counter()
                 emitted = await self._step()
                 taken = self.checker.push(emitted)
                 self.stats.emitted += len(taken)
                 self.stats.elapsed_s = time.perf_counter() - t0
                 status = "done" if self.finished else "running"
                 # 4. commit before anyone sees the tokens; a cancellation does not cut a write in half.
+                t_commit = time.perf_counter()
                 self._commit = asyncio.ensure_future(coord.store.commit(
                     self.rec, taken, status, self.checker.finish_reason or "", self.stats.to_dict()))
                 await asyncio.shield(self._commit)
+                t_notify = self._timed("commit", t_commit)
                 coord.metrics.generated_tokens.inc(len(taken))
                 async with self.changed:
                     self.changed.notify_all()
+                self._timed("notify", t_notify)
+                self._timed("step", t_step)
             self._release_caches()
         except asyncio.CancelledError:
             await self._pause()
@@ -177,6 +184,12 @@ class SessionRun:
         except (SpecdecError, asyncio.CancelledError):
             pass
 
+    def _timed(self, phase: str, since: float) -> float:
+        """Record a phase of the step timeline (coordinator metrics) -> now."""
+        now = time.perf_counter()
+        self.coord.metrics.step_phase.labels(phase=phase).observe(now - since)
+        return now
+
     async def _step(self) -> tuple[int, ...]:
         remaining = self.checker.remaining
         if self.method in DRAFT_METHODS:
@@ -185,12 +198,16 @@ class SessionRun:
                 return (await self._verify(DraftBlock((), None, None))).emitted
             draft = None if self.draft_refused else self.coord.draft_pool.pick(self.session_id)
             if draft is not None:
+                t = time.perf_counter()
                 try:
                     block = await self._propose(draft, k)
                 except DraftOut:
                     pass
                 else:
-                    return (await self._verify(block)).emitted
+                    t = self._timed("propose", t)
+                    verdict = await self._verify(block)
+                    self._timed("verify", t)
+                    return verdict.emitted
             return await self._decode("", min(remaining, self.coord.settings.fallback_chunk), fallback=True)
         return await self._decode("" if self.method == "target" else self.method,
                                   min(remaining, self.coord.settings.decode_chunk), fallback=False)
