@@ -166,14 +166,19 @@ class Profiler:
     def __init__(self, metrics_ports: dict[str, int], pids: dict[str, int]):
         self.metrics_ports, self.pids = metrics_ports, pids
 
-    def snapshot(self) -> dict:
-        return dict(metrics={n: scrape(p) for n, p in self.metrics_ports.items()},
-                    cpu={n: cpu_seconds(pid) for n, pid in self.pids.items()})
+    def snapshot(self, coordinator: str) -> dict:
+        """(`coordinator`: which of the coordinators the run goes through.)"""
+        ports = {"coordinator": self.metrics_ports[coordinator], "draft": self.metrics_ports["draft"],
+                 "target": self.metrics_ports["target"]}
+        pids = {"coordinator": self.pids[coordinator],
+                **{n: pid for n, pid in self.pids.items() if not n.startswith("c_")}}
+        return dict(metrics={n: scrape(p) for n, p in ports.items()},
+                    cpu={n: cpu_seconds(pid) for n, pid in pids.items()})
 
-    def measure(self, fn):
-        before = self.snapshot()
+    def measure(self, fn, coordinator: str):
+        before = self.snapshot(coordinator)
         res = fn()
-        after = self.snapshot()
+        after = self.snapshot(coordinator)
         res["profile"] = self.breakdown(before, after, res)
         return res
 
@@ -186,7 +191,7 @@ class Profiler:
         steps = max(1, res["target_forwards"])
         ms = lambda x: 1000 * x / steps  # noqa: E731 - seconds in total -> ms per target step
         out = {"wall": ms(res["seconds"])}
-        for phase in ("open", "prefill", "propose", "verify", "commit", "notify", "step", "detokenize"):
+        for phase in ("open", "prefill", "propose", "verify", "commit", "commit wait", "notify", "step", "detokenize"):
             out[f"coord {phase}"] = ms(d("coordinator", "specdec_step_phase_seconds_sum", phase=phase))
         for svc, method in (("draft", "Propose"), ("target", "Verify")):
             out[f"{svc} handler"] = ms(d(svc, "specdec_request_latency_seconds_sum", method=method, code="OK"))
@@ -197,15 +202,15 @@ class Profiler:
         return out
 
 
-def print_profile(results: dict, spec: dict, conc_name: str) -> None:
+def print_profile(results: dict, spec: dict, concurrency: int) -> None:
     """The per-target-step timeline of the services runs against in-process speculative decoding."""
     base = 1000 * spec["seconds"] / max(1, spec["target_forwards"])
     print(f"\n## per target step (ms), in-process speculative: {base:.1f} ms per step, tau {spec['tau']:.2f}")
-    cols = [n for n in ("services", conc_name) if n in results]
+    cols = [n for n in results if "profile" in results[n]]
     print("| | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
     prof = [results[n]["profile"] for n in cols]
-    n_sessions = [1, int(conc_name.split(",")[1].split()[0])]
+    n_sessions = [concurrency if "concurrent" in n else 1 for n in cols]
 
     def row(label, fn):
         print(f"| {label} | " + " | ".join(fn(p, n) for p, n in zip(prof, n_sessions)) + " |")
@@ -226,10 +231,10 @@ def print_profile(results: dict, spec: dict, conc_name: str) -> None:
     row("  target model thread (batches per step)", lambda p, n: f"{p['target model']:.2f} ({p['target batches']:.2f})")
     row("  wire + client stack (Verify)", lambda p, n: f(p["coord verify"] - p["target handler"]))
     row("  target handler minus model", lambda p, n: f(p["target handler"] - p["target model"]))
-    row("coordinator: Redis commit", lambda p, n: f(p["coord commit"]))
-    row("coordinator: wake streams", lambda p, n: f(p["coord notify"]))
+    row("coordinator: Redis commit (+ wake streams)", lambda p, n: f(p["coord commit"] + p["coord notify"]))
+    row("coordinator: step waits for a commit", lambda p, n: f(p["coord commit wait"]))
     row("coordinator: rest of the step", lambda p, n: f(p["coord step"] - p["coord propose"] - p["coord verify"]
-                                                        - p["coord commit"] - p["coord notify"]))
+                                                        - p["coord commit wait"]))
     row("coordinator: detokenize for streams", lambda p, n: f(p["coord detokenize"]))
     row("outside steps", lambda p, n: f(p["wall"] * n - p["coord step"]))
     row("  coordinator: open the session", lambda p, n: f(p["coord open"]))
@@ -259,6 +264,9 @@ def main() -> int:
     ap.add_argument("--log-dir", default="runs/bench-services")
     ap.add_argument("--profile", action="store_true",
                     help="only in-process speculative and services at 1 and N sessions, with the per-step breakdown")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="with --profile: also a coordinator started with these extra flags, e.g. "
+                         "'serial commit=--no-commit-behind' (measured in the same interleaved rounds)")
     args = ap.parse_args()
 
     from draft_service.models import load_draft
@@ -293,8 +301,12 @@ def main() -> int:
         target_extra = (["--target", args.target] if args.target else []) + model_flags
         health = {"draft": "specdec.rpc.v1.DraftService", "target": "specdec.rpc.v1.TargetService",
                   "target_slow": "specdec.rpc.v1.TargetService"}
-        # --profile reads the draft's, the target's and the coordinator's metrics.
-        mports = {name: free_port() for name in ("draft", "target", "c_plain")} if args.profile else {}
+        variants = dict(v.split("=", 1) for v in args.variant) if args.profile else {}
+        vnames = {name: f"c_v{i}" for i, name in enumerate(variants)}
+        ports.update({c: free_port() for c in vnames.values()})
+        # --profile reads the draft's, the target's and the coordinators' metrics.
+        mports = ({name: free_port() for name in ("draft", "target", "c_plain", *vnames.values())}
+                  if args.profile else {})
         mflag = lambda name: ["--metrics-port", str(mports.get(name, -1))]  # noqa: E731
         draft_argv += mflag("draft")
         started = {
@@ -309,13 +321,15 @@ def main() -> int:
         coords = {"c_plain": ("target", False), "c_pipe": ("target", True), "c_slow": ("target_slow", False),
                   "c_slow_pipe": ("target_slow", True)}
         if args.profile:
-            coords = {"c_plain": coords["c_plain"]}
+            coords = {"c_plain": coords["c_plain"], **{c: ("target", False) for c in vnames.values()}}
+        extra = {c: variants[v].split() for v, c in vnames.items()}
         for name, (tgt, pipe) in coords.items():
             started[name] = procs.start("-m", "coordinator", "--host", "127.0.0.1", "--port", str(ports[name]),
                                         *mflag(name), "--redis-url", redis.url,
                                         "--draft-replicas", f"127.0.0.1:{ports['draft']}",
                                         "--target-replicas", f"127.0.0.1:{ports[tgt]}",
-                                        "--pipeline" if pipe else "--no-pipeline", log=logs / f"{name}.log")
+                                        "--pipeline" if pipe else "--no-pipeline", *extra.get(name, []),
+                                        log=logs / f"{name}.log")
             health[name] = "specdec.rpc.v1.Coordinator"
 
         async def wait_all():
@@ -340,13 +354,15 @@ def main() -> int:
                                                                                       n, k)),
         }
         if args.profile:
-            pids = {"coordinator": started["c_plain"].pid, "draft": started["draft"].pid,
-                    "target": started["target"].pid, "redis": redis.proc.pid, "bench client": os.getpid()}
-            prof = Profiler({"coordinator": mports["c_plain"], "draft": mports["draft"], "target": mports["target"]},
-                            pids)
-            configs = {name: (fn if not name.startswith("services") else (lambda fn=fn: prof.measure(fn)))
-                       for name, fn in configs.items()
-                       if name in ("in-process speculative", "services", f"services, {args.concurrency} concurrent")}
+            pids = {"draft": started["draft"].pid, "target": started["target"].pid, "redis": redis.proc.pid,
+                    "bench client": os.getpid(), **{c: started[c].pid for c in coords}}
+            prof = Profiler(mports, pids)
+            configs = {"in-process speculative": configs["in-process speculative"]}
+            for label, c in [("", "c_plain"), *((f" [{v}]", c) for v, c in vnames.items())]:
+                configs[f"services{label}"] = lambda c=c: prof.measure(
+                    lambda: asyncio.run(through(addr(c), prompts, n, k)), c)
+                configs[f"services, {args.concurrency} concurrent{label}"] = lambda c=c: prof.measure(
+                    lambda: asyncio.run(through(addr(c), many, n, k, True)), c)
         for r in range(args.rounds):  # interleaved, so a noisy neighbour hits every configuration alike
             for name, fn in configs.items():
                 runs.setdefault(name, []).append(fn())
@@ -378,7 +394,7 @@ def main() -> int:
     print(f"through services / in-process speculative: {single / spec['tok_s']:.2f}x")
     print(f"{args.concurrency} concurrent sessions / one at a time: {conc / single:.2f}x")
     if args.profile:
-        print_profile(results, spec, conc_name)
+        print_profile(results, spec, args.concurrency)
     else:
         print_pipelining(results, single, args.delay_ms)
     if args.json:
