@@ -154,10 +154,22 @@ def scrape(port: int) -> dict[tuple, float]:
             for fam in text_string_to_metric_families(text) for smp in fam.samples}
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, tid: int = 0) -> float:
+    """User + system CPU time of a process (or one of its threads) so far (Linux /proc)."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread of a process, as 'name:tid' (Python's threads are all called python)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out[f"{(task / 'comm').read_text().strip()}:{task.name}"] = cpu_seconds(pid, int(task.name))
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return out
 
 
 class Profiler:
@@ -173,7 +185,8 @@ class Profiler:
         pids = {"coordinator": self.pids[coordinator],
                 **{n: pid for n, pid in self.pids.items() if not n.startswith("c_")}}
         return dict(metrics={n: scrape(p) for n, p in ports.items()},
-                    cpu={n: cpu_seconds(pid) for n, pid in pids.items()})
+                    cpu={n: cpu_seconds(pid) for n, pid in pids.items()},
+                    threads={n: thread_cpu(pids[n]) for n in ("coordinator", "draft", "target")})
 
     def measure(self, fn, coordinator: str):
         before = self.snapshot(coordinator)
@@ -199,6 +212,10 @@ class Profiler:
             out[f"{svc} batches"] = d(svc, "specdec_batch_size_count") / steps
         for name in after["cpu"]:
             out[f"cpu {name}"] = ms(after["cpu"][name] - before["cpu"][name])
+        for proc, threads in after["threads"].items():
+            busy = {t: ms(c - before["threads"][proc].get(t, 0.0)) for t, c in threads.items()}
+            out[f"threads {proc}"] = ", ".join(f"{t} {c:.1f}" for t, c in sorted(busy.items(), key=lambda x: -x[1])
+                                               if c >= 0.05)
         return out
 
 
@@ -243,6 +260,8 @@ def print_profile(results: dict, spec: dict, concurrency: int) -> None:
                                                                - p["coord prefill"]))
     for name in [k[4:] for k in prof[0] if k.startswith("cpu ")]:
         row(f"CPU {name}", lambda p, n, name=name: f(p[f"cpu {name}"]))
+    for name in ("coordinator", "draft", "target"):
+        row(f"CPU {name} by thread", lambda p, n, name=name: p[f"threads {name}"])
 
 
 def main() -> int:
