@@ -14,7 +14,16 @@ Measures, greedy, on dev prompts (one per category, chat template, first turn):
 5. the same coordinator streamed through gRPC and through its OpenAI-compatible HTTP API (SSE):
    tokens/s and time to first token side by side (`--api-only`: just 5, and in-process plain).
 Every run is checked token for token against plain decoding. Numbers are tokens/s of generated
-tokens, wall clock, including prompt processing.
+tokens, wall clock, including prompt processing. The per-step overhead of the services is their
+wall time per target step minus in-process speculative decoding's, at 1 and N sessions.
+
+`--profile` runs only in-process speculative, services and services N concurrent (interleaved)
+and prints where a target step's time goes through the services: the coordinator's step phases
+(Propose and Verify as its client sees them, the Redis commit, waking the streams, the rest of
+the loop; detokenizing), each service's handler time and model-thread time per call (the
+difference between the client's view and the handler's is the wire: serialization, HTTP/2,
+event-loop hops), the time outside steps (session open, prefill, the client's call), and the
+CPU each process burned per target step (from /proc).
 
 Pipelining hides at most min(draft time, verify time) per hit, and a hit needs the whole block
 and the guessed bonus accepted; `--draft-delay-ms` makes the draft slower to show where it pays
@@ -54,21 +63,44 @@ def load_prompts(tokenizer, n: int) -> list[list[int]]:
     return [format_prompt(tokenizer, r["turns"][0])[-256:] for r in picked[:n]]
 
 
+class Timed:
+    """A stand-in that times some methods of the object it wraps (the in-process profile)."""
+
+    def __init__(self, inner, spans: dict[str, float], *names: str):
+        self._inner, self._spans, self._names = inner, spans, names
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if name not in self._names:
+            return attr
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return attr(*a, **kw)
+            finally:
+                self._spans[name] = self._spans.get(name, 0.0) + time.perf_counter() - t0
+        return timed
+
+
 def in_process_run(target, draft, prompts, n, k, method):
     from specdec.decode import plain_generate, speculative_generate
     from specdec.proposers import DraftModelProposer
     from specdec.types import StopConditions
 
     stop = StopConditions(max_new_tokens=n, eos_token_ids=target.eos_token_ids)
-    t0, results = time.perf_counter(), []
+    t0, results, spans = time.perf_counter(), [], {}
     for p in prompts:
         if method == "plain":
             results.append(plain_generate(target, [p], stop=stop)[0])
         else:
-            results.append(speculative_generate(target, DraftModelProposer(draft), [p], stop=stop, k=k)[0])
+            proposer = Timed(DraftModelProposer(draft), spans, "propose")
+            results.append(speculative_generate(Timed(target, spans, "prefill", "forward"), proposer, [p], stop=stop,
+                                                k=k)[0])
     el = time.perf_counter() - t0
     toks = sum(len(r.token_ids) for r in results)
-    return dict(tokens=toks, seconds=el, tok_s=toks / el, outputs=[list(r.token_ids) for r in results],
+    return dict(tokens=toks, seconds=el, tok_s=toks / el, outputs=[list(r.token_ids) for r in results], spans=spans,
+                target_forwards=sum(r.stats.target_forwards for r in results),
                 tau=sum(r.stats.emitted for r in results) / max(1, sum(r.stats.target_forwards for r in results)))
 
 
@@ -164,6 +196,127 @@ async def streamed(api: str, address: str, prompts, n, k):
                 texts=texts)
 
 
+def scrape(port: int) -> dict[tuple, float]:
+    """A service's /metrics -> {(sample name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+            for fam in text_string_to_metric_families(text) for smp in fam.samples}
+
+
+def cpu_seconds(pid: int, tid: int = 0) -> float:
+    """User + system CPU time of a process (or one of its threads) so far (Linux /proc)."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread of a process, as 'name:tid' (Python's threads are all called python)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out[f"{(task / 'comm').read_text().strip()}:{task.name}"] = cpu_seconds(pid, int(task.name))
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return out
+
+
+class Profiler:
+    """Metrics and CPU of the services around one run -> the per-target-step breakdown."""
+
+    def __init__(self, metrics_ports: dict[str, int], pids: dict[str, int]):
+        self.metrics_ports, self.pids = metrics_ports, pids
+
+    def snapshot(self, coordinator: str) -> dict:
+        """(`coordinator`: which of the coordinators the run goes through.)"""
+        ports = {"coordinator": self.metrics_ports[coordinator], "draft": self.metrics_ports["draft"],
+                 "target": self.metrics_ports["target"]}
+        pids = {"coordinator": self.pids[coordinator],
+                **{n: pid for n, pid in self.pids.items() if not n.startswith("c_")}}
+        return dict(metrics={n: scrape(p) for n, p in ports.items()},
+                    cpu={n: cpu_seconds(pid) for n, pid in pids.items()},
+                    threads={n: thread_cpu(pids[n]) for n in ("coordinator", "draft", "target")})
+
+    def measure(self, fn, coordinator: str):
+        before = self.snapshot(coordinator)
+        res = fn()
+        after = self.snapshot(coordinator)
+        res["profile"] = self.breakdown(before, after, res)
+        return res
+
+    @staticmethod
+    def breakdown(before: dict, after: dict, res: dict) -> dict:
+        def d(service, name, **labels):
+            key = (name, tuple(sorted(labels.items())))
+            return after["metrics"][service].get(key, 0.0) - before["metrics"][service].get(key, 0.0)
+
+        steps = max(1, res["target_forwards"])
+        ms = lambda x: 1000 * x / steps  # noqa: E731 - seconds in total -> ms per target step
+        out = {"wall": ms(res["seconds"])}
+        for phase in ("open", "prefill", "propose", "verify", "commit", "commit wait", "notify", "step", "detokenize"):
+            out[f"coord {phase}"] = ms(d("coordinator", "specdec_step_phase_seconds_sum", phase=phase))
+        for svc, method in (("draft", "Propose"), ("target", "Verify")):
+            out[f"{svc} handler"] = ms(d(svc, "specdec_request_latency_seconds_sum", method=method, code="OK"))
+            out[f"{svc} model"] = ms(d(svc, "specdec_model_busy_seconds_total"))
+            out[f"{svc} batches"] = d(svc, "specdec_batch_size_count") / steps
+        for name in after["cpu"]:
+            out[f"cpu {name}"] = ms(after["cpu"][name] - before["cpu"][name])
+        for proc, threads in after["threads"].items():
+            busy = {t: ms(c - before["threads"][proc].get(t, 0.0)) for t, c in threads.items()}
+            out[f"threads {proc}"] = ", ".join(f"{t} {c:.1f}" for t, c in sorted(busy.items(), key=lambda x: -x[1])
+                                               if c >= 0.05)
+        return out
+
+
+def print_profile(results: dict, spec: dict, concurrency: int) -> None:
+    """The per-target-step timeline of the services runs against in-process speculative decoding."""
+    base = 1000 * spec["seconds"] / max(1, spec["target_forwards"])
+    print(f"\n## per target step (ms), in-process speculative: {base:.1f} ms per step, tau {spec['tau']:.2f}")
+    cols = [n for n in results if "profile" in results[n]]
+    print("| | " + " | ".join(cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    prof = [results[n]["profile"] for n in cols]
+    n_sessions = [concurrency if "concurrent" in n else 1 for n in cols]
+
+    def row(label, fn):
+        print(f"| {label} | " + " | ".join(fn(p, n) for p, n in zip(prof, n_sessions)) + " |")
+
+    f = lambda x: f"{x:.2f}"  # noqa: E731
+    steps = max(1, spec["target_forwards"])
+    print("in process: " + ", ".join(f"{name} {1000 * t / steps:.2f}" for name, t in spec["spans"].items())
+          + f", rest {base - 1000 * sum(spec['spans'].values()) / steps:.2f} (ms per target step)")
+    row("wall per target step (aggregate)", lambda p, n: f(p["wall"]))
+    row("overhead vs in process (wall per step x sessions - in process)", lambda p, n: f(p["wall"] * n - base))
+    row("coordinator: Propose (client view)", lambda p, n: f(p["coord propose"]))
+    row("  draft handler", lambda p, n: f(p["draft handler"]))
+    row("  draft model thread (batches per step)", lambda p, n: f"{p['draft model']:.2f} ({p['draft batches']:.2f})")
+    row("  wire + client stack (Propose)", lambda p, n: f(p["coord propose"] - p["draft handler"]))
+    row("  draft handler minus model", lambda p, n: f(p["draft handler"] - p["draft model"]))
+    row("coordinator: Verify (client view)", lambda p, n: f(p["coord verify"]))
+    row("  target handler", lambda p, n: f(p["target handler"]))
+    row("  target model thread (batches per step)", lambda p, n: f"{p['target model']:.2f} ({p['target batches']:.2f})")
+    row("  wire + client stack (Verify)", lambda p, n: f(p["coord verify"] - p["target handler"]))
+    row("  target handler minus model", lambda p, n: f(p["target handler"] - p["target model"]))
+    row("coordinator: Redis commit (+ wake streams)", lambda p, n: f(p["coord commit"] + p["coord notify"]))
+    row("coordinator: step waits for a commit", lambda p, n: f(p["coord commit wait"]))
+    row("coordinator: rest of the step", lambda p, n: f(p["coord step"] - p["coord propose"] - p["coord verify"]
+                                                        - p["coord commit wait"]))
+    row("coordinator: detokenize for streams", lambda p, n: f(p["coord detokenize"]))
+    row("outside steps", lambda p, n: f(p["wall"] * n - p["coord step"]))
+    row("  coordinator: open the session", lambda p, n: f(p["coord open"]))
+    row("  coordinator: prefill draft and target", lambda p, n: f(p["coord prefill"]))
+    row("  rest (client call, release, waits)", lambda p, n: f(p["wall"] * n - p["coord step"] - p["coord open"]
+                                                               - p["coord prefill"]))
+    for name in [k[4:] for k in prof[0] if k.startswith("cpu ")]:
+        row(f"CPU {name}", lambda p, n, name=name: f(p[f"cpu {name}"]))
+    for name in ("coordinator", "draft", "target"):
+        row(f"CPU {name} by thread", lambda p, n, name=name: p[f"threads {name}"])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=4)
@@ -183,6 +336,11 @@ def main() -> int:
     ap.add_argument("--log-dir", default="runs/bench-services")
     ap.add_argument("--api-only", action="store_true",
                     help="only gRPC vs HTTP streaming (and in-process plain, the reference output)")
+    ap.add_argument("--profile", action="store_true",
+                    help="only in-process speculative and services at 1 and N sessions, with the per-step breakdown")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="with --profile: also a coordinator started with these extra flags, e.g. "
+                         "'serial commit=--no-commit-behind' (measured in the same interleaved rounds)")
     args = ap.parse_args()
 
     from draft_service.models import load_draft
@@ -212,30 +370,42 @@ def main() -> int:
     try:
         slow = str(Path(__file__).with_name("slow_service.py"))
         draft_run = [slow, "draft", "--delay-ms", str(args.draft_delay_ms)] if args.draft_delay_ms else ["-m", "draft_service"]
-        draft_argv = draft_run + ["--host", "127.0.0.1", "--port", str(ports["draft"]), "--metrics-port",
-                                  "-1"] + (["--draft", args.draft] if args.draft else []) + model_flags
+        draft_argv = draft_run + ["--host", "127.0.0.1", "--port", str(ports["draft"])] + (
+            ["--draft", args.draft] if args.draft else []) + model_flags
         target_extra = (["--target", args.target] if args.target else []) + model_flags
         health = {"draft": "specdec.rpc.v1.DraftService", "target": "specdec.rpc.v1.TargetService",
                   "target_slow": "specdec.rpc.v1.TargetService"}
+        variants = dict(v.split("=", 1) for v in args.variant) if args.profile else {}
+        vnames = {name: f"c_v{i}" for i, name in enumerate(variants)}
+        ports.update({c: free_port() for c in vnames.values()})
+        # --profile reads the draft's, the target's and the coordinators' metrics.
+        mports = ({name: free_port() for name in ("draft", "target", "c_plain", *vnames.values())}
+                  if args.profile else {})
+        mflag = lambda name: ["--metrics-port", str(mports.get(name, -1))]  # noqa: E731
+        draft_argv += mflag("draft")
         started = {
             "draft": procs.start(*draft_argv, log=logs / "draft.log"),
             "target": procs.start("-m", "target_service", "--host", "127.0.0.1", "--port", str(ports["target"]),
-                                  "--metrics-port", "-1", *target_extra, log=logs / "target.log"),
+                                  *mflag("target"), *target_extra, log=logs / "target.log"),
         }
         coords = {"c_plain": ("target", False)}
-        if not args.api_only:
+        if not (args.api_only or args.profile):
             started["target_slow"] = procs.start(slow, "target", "--delay-ms", str(args.delay_ms), "--host",
                                                  "127.0.0.1", "--port", str(ports["target_slow"]), "--metrics-port",
                                                  "-1", *target_extra, log=logs / "target_slow.log")
             coords.update(c_pipe=("target", True), c_slow=("target_slow", False), c_slow_pipe=("target_slow", True))
+        if args.profile:
+            coords.update({c: ("target", False) for c in vnames.values()})
+        extra = {c: variants[v].split() for v, c in vnames.items()}
         http_port = free_port()
         for name, (tgt, pipe) in coords.items():
             started[name] = procs.start("-m", "coordinator", "--host", "127.0.0.1", "--port", str(ports[name]),
                                         "--http-port", str(http_port if name == "c_plain" else -1),
-                                        "--metrics-port", "-1", "--redis-url", redis.url,
+                                        *mflag(name), "--redis-url", redis.url,
                                         "--draft-replicas", f"127.0.0.1:{ports['draft']}",
                                         "--target-replicas", f"127.0.0.1:{ports[tgt]}",
-                                        "--pipeline" if pipe else "--no-pipeline", log=logs / f"{name}.log")
+                                        "--pipeline" if pipe else "--no-pipeline", *extra.get(name, []),
+                                        log=logs / f"{name}.log")
             health[name] = "specdec.rpc.v1.Coordinator"
 
         async def wait_all():
@@ -268,6 +438,16 @@ def main() -> int:
         }
         if args.api_only:
             configs = {"in-process plain": configs["in-process plain"], **api}
+        if args.profile:
+            pids = {"draft": started["draft"].pid, "target": started["target"].pid, "redis": redis.proc.pid,
+                    "bench client": os.getpid(), **{c: started[c].pid for c in coords}}
+            prof = Profiler(mports, pids)
+            configs = {"in-process speculative": configs["in-process speculative"]}
+            for label, c in [("", "c_plain"), *((f" [{v}]", c) for v, c in vnames.items())]:
+                configs[f"services{label}"] = lambda c=c: prof.measure(
+                    lambda: asyncio.run(through(addr(c), prompts, n, k)), c)
+                configs[f"services, {args.concurrency} concurrent{label}"] = lambda c=c: prof.measure(
+                    lambda: asyncio.run(through(addr(c), many, n, k, True)), c)
         for r in range(args.rounds):  # interleaved, so a noisy neighbour hits every configuration alike
             for name, fn in configs.items():
                 runs.setdefault(name, []).append(fn())
@@ -278,9 +458,9 @@ def main() -> int:
 
     # Per configuration: the run with the median tokens/s.
     results = {name: sorted(rs, key=lambda x: x["tok_s"])[len(rs) // 2] for name, rs in runs.items()}
-    plain = results["in-process plain"]["outputs"]
+    spec = results.get("in-process speculative", results.get("in-process plain"))
+    plain = results["in-process plain"]["outputs"] if "in-process plain" in results else spec["outputs"]
     plain_text = [loaded.tokenizer.decode(o, skip_special_tokens=True) for o in plain]
-    spec = results.get("in-process speculative", results["in-process plain"])
     print("\n| run (median of rounds) | tokens | s | tok/s | vs in-process speculative | tau | pipeline hits/misses "
           "| time to first token | greedy == plain |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -292,23 +472,37 @@ def main() -> int:
         tau = f"{r['tau']:.2f}" if "tau" in r else "-"
         print(f"| {name} | {r['tokens']} | {r['seconds']:.1f} | {r['tok_s']:.2f} | {r['tok_s'] / spec['tok_s']:.2f}x "
               f"| {tau} | {hm} | {ttft} | {'yes' if same else 'NO'} |")
-    g, h = results["services, gRPC stream"], results["services, HTTP stream (OpenAI API)"]
-    print(f"\nHTTP / gRPC streaming: {h['tok_s'] / g['tok_s']:.2f}x tokens/s; time to first token "
-          f"{h['ttft_s'] * 1000:.0f} vs {g['ttft_s'] * 1000:.0f} ms")
+    if "services, gRPC stream" in results:
+        g, h = results["services, gRPC stream"], results["services, HTTP stream (OpenAI API)"]
+        print(f"\nHTTP / gRPC streaming: {h['tok_s'] / g['tok_s']:.2f}x tokens/s; time to first token "
+              f"{h['ttft_s'] * 1000:.0f} vs {g['ttft_s'] * 1000:.0f} ms")
     if args.api_only:
         return 0
     single = results["services"]["tok_s"]
-    conc = results[f"services, {args.concurrency} concurrent"]["tok_s"]
-    d = f"{args.delay_ms:g}"
-    slow, slow_pipe = results[f"services, target +{d} ms/step"], results[f"services, target +{d} ms/step, pipelined"]
-    print(f"\nthrough services / in-process speculative: {single / spec['tok_s']:.2f}x")
+    conc_name = f"services, {args.concurrency} concurrent"
+    conc = results[conc_name]["tok_s"]
+    per_step = lambda r: 1000 * r["seconds"] / max(1, r["target_forwards"])  # noqa: E731
+    base = per_step(spec)
+    print(f"\nper-step overhead (services minus in process, ms per target step): 1 session "
+          f"{per_step(results['services']) - base:+.1f} ({per_step(results['services']):.1f} vs {base:.1f}); "
+          f"{args.concurrency} sessions {per_step(results[conc_name]) * args.concurrency - base:+.1f} per session step")
+    print(f"through services / in-process speculative: {single / spec['tok_s']:.2f}x")
     print(f"{args.concurrency} concurrent sessions / one at a time: {conc / single:.2f}x")
-    print(f"pipelining gain, no delay: {results['services, pipelined']['tok_s'] / single:.2f}x; "
-          f"with +{d} ms/step: {slow_pipe['tok_s'] / slow['tok_s']:.2f}x")
+    if args.profile:
+        print_profile(results, spec, args.concurrency)
+    else:
+        print_pipelining(results, single, args.delay_ms)
     if args.json:
         Path(args.json).write_text(json.dumps({name: [{kk: vv for kk, vv in r.items() if kk != "outputs"} for r in rs]
                                                for name, rs in runs.items()}, indent=1))
     return 0
+
+
+def print_pipelining(results: dict, single: float, delay_ms: float) -> None:
+    d = f"{delay_ms:g}"
+    slow, slow_pipe = results[f"services, target +{d} ms/step"], results[f"services, target +{d} ms/step, pipelined"]
+    print(f"pipelining gain, no delay: {results['services, pipelined']['tok_s'] / single:.2f}x; "
+          f"with +{d} ms/step: {slow_pipe['tok_s'] / slow['tok_s']:.2f}x")
 
 
 if __name__ == "__main__":

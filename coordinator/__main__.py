@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session-ttl", type=int, default=3600)
     p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=False,
                    help="draft the next block while the target verifies this one")
+    p.add_argument("--commit-behind", action=argparse.BooleanOptionalAction, default=True,
+                   help="write a step's tokens to Redis while the next step runs (default on)")
     p.add_argument("--propose-deadline-s", type=float, default=5.0)
     p.add_argument("--target-wait-s", type=float, default=30.0,
                    help="how long a session waits for a live target replica before UNAVAILABLE (default 30)")
@@ -120,6 +122,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from coordinator.servicer import start_coordinator_server
 
     settings = CoordinatorSettings(session_ttl_s=args.session_ttl, pipeline=args.pipeline,
+                                   commit_behind=args.commit_behind,
                                    propose_deadline_s=args.propose_deadline_s, max_k=args.max_k,
                                    target_wait_s=args.target_wait_s)
     static = args.discovery == "static"

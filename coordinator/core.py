@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Optional, Sequence
@@ -252,6 +253,13 @@ class Coordinator:
 
     async def open(self, req: Request) -> tuple[SessionRun, int]:
         """-> (the session's run, the generated-token offset the client starts from)."""
+        t0 = time.perf_counter()
+        try:
+            return await self._open(req)
+        finally:
+            self.metrics.step_phase.labels(phase="open").observe(time.perf_counter() - t0)
+
+    async def _open(self, req: Request) -> tuple[SessionRun, int]:
         if req.resume_from < 0:
             raise InvalidRequest(f"resume_from must be >= 0, got {req.resume_from}")
         if not self.store_ok:
@@ -315,11 +323,13 @@ class Coordinator:
                 await run.wait_until(offset)
                 gen = run.generated
                 if len(gen) > offset:
+                    t0 = time.perf_counter()
                     text = self.text(run, len(gen))
                     # Hold back an incomplete multi-byte character; never resend text.
                     safe = text.rstrip("\ufffd") if not run.finished else text
                     delta = safe[len(sent_text):] if safe.startswith(sent_text) else ""
                     sent_text = sent_text + delta
+                    self.metrics.step_phase.labels(phase="detokenize").observe(time.perf_counter() - t0)
                     yield Update(offset, tuple(gen[offset:]), delta)
                     offset = len(gen)
                     continue

@@ -7,7 +7,10 @@ Order of a step (draft available):
 2. With pipelining on, start drafting block i+1 from the optimistic prefix (committed + block i
    + the draft's guess of the bonus token) while
 3. the session's target replica verifies block i.
-4. Commit the emitted tokens to Redis (versioned compare-and-set), then wake the streams.
+4. Commit the emitted tokens to Redis (versioned compare-and-set), then wake the streams. The
+   write runs while the next block is drafted and verified (the step loop works on the verified
+   tokens, the streams read only the committed ones, and a write must land before the next one
+   starts), so a Redis round trip costs a step nothing; a failed write ends the run one step later.
 When the draft fails (down, deadline missed, refused), its replica leaves the ring for a
 cool-down (the circuit breaker) and the step runs on the target alone (Decode); drafting
 resumes once a draft replica answers SERVING again. Greedy output is the target's own either way.
@@ -115,14 +118,24 @@ class SessionRun:
     last_fully_accepted: bool = False  # the last verified block was accepted whole
     draft_refused: bool = False  # the draft refused this session's request: the target continues it alone
     _commit: Optional[asyncio.Future] = None  # the Redis write in flight
+    tokens: list[int] = field(default_factory=list)  # verified tokens: the committed ones + the write in flight
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.rec.tokens)
 
     @property
     def session_id(self) -> str:
         return self.rec.session_id
 
     @property
-    def finished(self) -> bool:
+    def verified_all(self) -> bool:
+        """No more steps to take (what the step loop asks; the streams ask `finished`)."""
         return self.checker.finish_reason is not None
+
+    @property
+    def finished(self) -> bool:
+        """Finished, and every verified token committed to Redis."""
+        return self.verified_all and len(self.rec.tokens) == len(self.tokens)
 
     @property
     def generated(self) -> list[int]:
@@ -136,21 +149,30 @@ class SessionRun:
         coord = self.coord
         t0 = time.perf_counter() - self.stats.elapsed_s
         try:
-            if not self.finished:
+            if not self.verified_all:
+                t_prefill = time.perf_counter()
                 await self._prefill_both()
-            while not self.finished:
+                self._timed("prefill", t_prefill)
+            while not self.verified_all:
+                t_step = time.perf_counter()
                 emitted = await self._step()
+                t_wait = time.perf_counter()
+                await self._committed()  # the previous step's write (it raises what that write raised)
+                self._timed("commit wait", t_wait)
                 taken = self.checker.push(emitted)
+                self.tokens.extend(taken)
                 self.stats.emitted += len(taken)
                 self.stats.elapsed_s = time.perf_counter() - t0
-                status = "done" if self.finished else "running"
+                status = "done" if self.verified_all else "running"
                 # 4. commit before anyone sees the tokens; a cancellation does not cut a write in half.
-                self._commit = asyncio.ensure_future(coord.store.commit(
-                    self.rec, taken, status, self.checker.finish_reason or "", self.stats.to_dict()))
-                await asyncio.shield(self._commit)
-                coord.metrics.generated_tokens.inc(len(taken))
-                async with self.changed:
-                    self.changed.notify_all()
+                self._commit = asyncio.ensure_future(self._commit_and_tell(
+                    taken, status, self.checker.finish_reason or "", self.stats.to_dict()))
+                if not coord.settings.commit_behind:
+                    t_wait = time.perf_counter()
+                    await self._committed()
+                    self._timed("commit wait", t_wait)
+                self._timed("step", t_step)
+            await self._committed()
             self._release_caches()
         except asyncio.CancelledError:
             await self._pause()
@@ -166,16 +188,35 @@ class SessionRun:
             async with self.changed:
                 self.changed.notify_all()
 
+    async def _committed(self) -> None:
+        if self._commit is not None:
+            await asyncio.shield(self._commit)
+
+    async def _commit_and_tell(self, taken: list[int], status: str, finish_reason: str, stats: dict) -> None:
+        """Write a step's tokens to Redis, then wake the streams (which read only what is written)."""
+        t0 = time.perf_counter()
+        await self.coord.store.commit(self.rec, taken, status, finish_reason, stats)
+        t_notify = self._timed("commit", t0)
+        self.coord.metrics.generated_tokens.inc(len(taken))
+        async with self.changed:
+            self.changed.notify_all()
+        self._timed("notify", t_notify)
+
     async def _pause(self) -> None:
         """Leave the session resumable: status paused (shielded from the cancellation itself)."""
         try:
-            if self._commit is not None and not self._commit.done():
-                await asyncio.shield(self._commit)  # let a write in flight land first
+            await self._committed()  # let a write in flight land first (or say how it failed)
             if self.finished:
                 return
             await asyncio.shield(self.coord.store.commit(self.rec, [], "paused", "", self.stats.to_dict()))
         except (SpecdecError, asyncio.CancelledError):
             pass
+
+    def _timed(self, phase: str, since: float) -> float:
+        """Record a phase of the step timeline (coordinator metrics) -> now."""
+        now = time.perf_counter()
+        self.coord.metrics.step_phase.labels(phase=phase).observe(now - since)
+        return now
 
     async def _step(self) -> tuple[int, ...]:
         remaining = self.checker.remaining
@@ -185,12 +226,16 @@ class SessionRun:
                 return (await self._verify(DraftBlock((), None, None))).emitted
             draft = None if self.draft_refused else self.coord.draft_pool.pick(self.session_id)
             if draft is not None:
+                t = time.perf_counter()
                 try:
                     block = await self._propose(draft, k)
                 except DraftOut:
                     pass
                 else:
-                    return (await self._verify(block)).emitted
+                    t = self._timed("propose", t)
+                    verdict = await self._verify(block)
+                    self._timed("verify", t)
+                    return verdict.emitted
             return await self._decode("", min(remaining, self.coord.settings.fallback_chunk), fallback=True)
         return await self._decode("" if self.method == "target" else self.method,
                                   min(remaining, self.coord.settings.decode_chunk), fallback=False)
@@ -214,7 +259,7 @@ class SessionRun:
     async def _prefill_both(self) -> None:
         """Load the session into its draft and target replicas at once (two processes, in parallel).
         A failure here is not fatal: the first step prefills (or falls back) again."""
-        committed = list(self.rec.tokens)
+        committed = list(self.tokens)
 
         async def draft(rep) -> None:
             try:
@@ -273,7 +318,7 @@ class SessionRun:
             self.draft_refused = True
 
     async def _propose(self, rep, k: int) -> DraftBlock:
-        committed = list(self.rec.tokens)
+        committed = list(self.tokens)
         # Drafting ahead pays only when the whole block and the guessed bonus are accepted (about
         # alpha^(k+1)); try it after a fully accepted block, not after a rejection.
         pipeline = self.coord.settings.pipeline and self.last_fully_accepted
@@ -339,7 +384,7 @@ class SessionRun:
         while True:
             rep = await self._target()
             client: TargetClient = rep.client
-            committed = list(self.rec.tokens)
+            committed = list(self.tokens)
             try:
                 if rep.address != self.target_addr:
                     self.target_addr, self.target_known = None, []

@@ -12,6 +12,7 @@ class CoordinatorSettings:
     default_k: int = 4
     max_k: int = 16
     pipeline: bool = False  # draft block i+1 while block i is verified (see bench/services.py)
+    commit_behind: bool = True  # write step i to Redis while step i+1 runs (streams still see only written tokens)
     fallback_chunk: int = 8  # tokens per target-side Decode while the draft is out (then drafting is retried)
     decode_chunk: int = 8  # tokens per Decode for target-side methods (also the streaming granularity)
     propose_deadline_s: float = 5.0  # a Propose slower than this opens the draft's breaker

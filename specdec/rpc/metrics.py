@@ -41,6 +41,10 @@ class ServiceMetrics:
         self.pipeline_hits = Counter(f"{PREFIX}_pipeline_hits", "pipelined blocks used", registry=r)
         self.pipeline_misses = Counter(f"{PREFIX}_pipeline_misses", "pipelined blocks discarded", registry=r)
         self.generated_tokens = Counter(f"{PREFIX}_generated_tokens", "tokens committed to sessions", registry=r)
+        # The coordinator's per-step timeline (propose, verify, decode, commit, notify, step, detokenize):
+        # where a step's wall time goes, as bench/services.py --profile prints it.
+        self.step_phase = Histogram(f"{PREFIX}_step_phase_seconds", "time per phase of a session step", ["phase"],
+                                    registry=r, buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, 1))
 
     def record_verdict(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
         self.target_forwards.inc()
