@@ -222,8 +222,10 @@ def _llamacpp_runner(ctx: BenchContext, lookup: bool) -> Runner:
 
     lm = engine.target.lm
     draft = LlamaPromptLookupDecoding(num_pred_tokens=ctx.config.prompt_lookup_tokens) if lookup else None
+    # logits_all with the lookup: llama-cpp-python 0.3.36 sizes its logits buffer by that argument but
+    # fills it for every token when it has a draft model (prompts over n_batch tokens failed otherwise).
     llm = Llama(model_path=str(lm.path), n_ctx=lm.max_positions, n_threads=lm.threads, n_threads_batch=lm.threads,
-                draft_model=draft, verbose=False)
+                draft_model=draft, logits_all=lookup, verbose=False)
     eos = set(ctx.stop.eos_token_ids)
 
     def run(prompt: BenchPrompt) -> RunRecord:

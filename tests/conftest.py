@@ -32,9 +32,10 @@ def full_logits(lm: CausalLM, ids: Sequence[int]) -> torch.Tensor:
     return lm.forward(cache, torch.tensor([list(ids)])).logits[0]
 
 
-def assert_greedy_equal(lm: CausalLM, prompt: Sequence[int], got: Sequence[int], want: Sequence[int]) -> None:
+def assert_greedy_equal(lm: CausalLM, prompt: Sequence[int], got: Sequence[int], want: Sequence[int],
+                        tolerance: float = TIE_TOLERANCE) -> None:
     """got must equal want token for token. A divergence is tolerated only at a position where
-    the plain run's top-two logits tie within TIE_TOLERANCE (k-token vs 1-token float rounding);
+    the plain run's top-two logits tie within `tolerance` (k-token vs 1-token float rounding);
     nothing after such a position can be compared."""
     got, want = list(got), list(want)
     j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
@@ -44,6 +45,6 @@ def assert_greedy_equal(lm: CausalLM, prompt: Sequence[int], got: Sequence[int],
     logits = full_logits(lm, list(prompt) + want[:j])[-1]
     top2 = torch.topk(logits.float(), 2).values
     gap = float(top2[0] - top2[1])
-    assert gap < TIE_TOLERANCE, (
+    assert gap < tolerance, (
         f"speculative output diverges at generated token {j}: {got[j]} vs {want[j]} "
         f"(plain top-two logit gap {gap:.3g} is not a tie)")

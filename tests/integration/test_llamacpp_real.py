@@ -8,6 +8,11 @@ from specdec.engine import Engine, EngineConfig
 from specdec.errors import InvalidRequest
 from specdec.types import StopConditions
 from tests.conftest import assert_greedy_equal
+
+# llama.cpp rounds a k-token forward differently from a 1-token one (quantized activations, kernels
+# chosen by batch size and threads): on 2 threads a speculative run took the second of two tokens
+# 0.025 apart in the plain run's logits (bench, rag prompt). A tie on this backend is that close.
+LLAMACPP_TIE = 0.05
 from tests.integration.conftest import dev_prompts
 
 pytestmark = pytest.mark.real_model
@@ -39,7 +44,7 @@ def test_every_method_on_llamacpp_equals_its_plain_decoding(engine, cpp_prompts,
     stop = StopConditions(max_new_tokens=32)
     got = engine.generate_ids(cpp_prompts, method, stop=stop, k=k)  # the three prompts batched
     for p, g, w in zip(cpp_prompts, got, cpp_plain):
-        assert_greedy_equal(engine.target.lm, p, g.token_ids, w.token_ids)
+        assert_greedy_equal(engine.target.lm, p, g.token_ids, w.token_ids, LLAMACPP_TIE)
     if k != "auto":
         assert sum(g.stats.accepted for g in got) > 0, "nothing was accepted: rollback paths were not exercised"
 
