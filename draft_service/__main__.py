@@ -24,8 +24,8 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from specdec.rpc.serving import (add_common_flags, add_model_flags, apply_threads, model_placement,
-                                 parse_settings, run_service, serve_until_signal, server_settings)
+from specdec.rpc.serving import (add_common_flags, add_model_flags, add_session_flags, apply_threads,
+                                 model_placement, parse_settings, run_service, serve_until_signal, server_settings)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,10 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(p)
     add_common_flags(p, port=50061, metrics_port=9461)
     p.add_argument("--draft", default=None, help="draft model directory (default: the draft shipped for the embedded target)")
-    p.add_argument("--max-sessions", type=int, default=256)
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--batch-window-ms", type=float, default=1.0)
-    p.add_argument("--max-k", type=int, default=32)
+    add_session_flags(p, max_sessions=256, batch_window_ms=1.0)
     return p
 
 

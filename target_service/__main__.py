@@ -23,8 +23,8 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from specdec.rpc.serving import (add_common_flags, add_model_flags, apply_threads, model_placement,
-                                 parse_settings, run_service, serve_until_signal, server_settings)
+from specdec.rpc.serving import (add_common_flags, add_model_flags, add_session_flags, apply_threads,
+                                 model_placement, parse_settings, run_service, serve_until_signal, server_settings)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,10 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(p)
     add_common_flags(p, port=50062, metrics_port=9462)
     p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--max-sessions", type=int, default=64)
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--batch-window-ms", type=float, default=2.0)
-    p.add_argument("--max-k", type=int, default=32)
+    add_session_flags(p, max_sessions=64, batch_window_ms=2.0)
     return p
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -71,55 +72,44 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         method = details.method.rsplit("/", 1)[-1]
         metrics = self.metrics
 
-        async def fail(context, exc: Exception) -> None:
-            code, message = status_for(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("%s failed", details.method)
-            await context.abort(code, message)
-
-        def observe(t0: float, code: str) -> None:
-            if metrics is not None:
-                metrics.request_latency.labels(method=method, code=code).observe(time.perf_counter() - t0)
-
-        if handler.unary_unary:
-            inner = handler.unary_unary
-
-            async def unary(request, context):
-                t0, code = time.perf_counter(), "OK"
-                try:
-                    return await inner(request, context)
-                except grpc.aio.AbortError:
-                    code = "ABORTED_BY_HANDLER"
-                    raise
-                except asyncio.CancelledError:
-                    code = "CANCELLED"
-                    raise
-                except Exception as exc:  # noqa: BLE001 - the one place that turns errors into statuses
-                    code = status_for(exc)[0].name
-                    await fail(context, exc)
-                finally:
-                    observe(t0, code)
-
-            return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
-                                                       response_serializer=handler.response_serializer)
-        inner_stream = handler.unary_stream
-
-        async def stream(request, context):
+        @contextlib.asynccontextmanager
+        async def accounted(context):
+            """Around one call: an exception becomes its status (never its text, unless it is
+            ours), and the call's latency is recorded under the status it ended with."""
             t0, code = time.perf_counter(), "OK"
             try:
-                async for item in inner_stream(request, context):
-                    yield item
+                yield
             except grpc.aio.AbortError:
                 code = "ABORTED_BY_HANDLER"
                 raise
             except asyncio.CancelledError:
                 code = "CANCELLED"
                 raise
-            except Exception as exc:  # noqa: BLE001
-                code = status_for(exc)[0].name
-                await fail(context, exc)
+            except Exception as exc:  # noqa: BLE001 - the one place that turns errors into statuses
+                status, message = status_for(exc)
+                code = status.name
+                if status == grpc.StatusCode.INTERNAL:
+                    log.exception("%s failed", details.method)
+                await context.abort(status, message)
             finally:
-                observe(t0, code)
+                if metrics is not None:
+                    metrics.request_latency.labels(method=method, code=code).observe(time.perf_counter() - t0)
+
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                async with accounted(context):
+                    return await inner(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
+                                                       response_serializer=handler.response_serializer)
+        inner_stream = handler.unary_stream
+
+        async def stream(request, context):
+            async with accounted(context):
+                async for item in inner_stream(request, context):
+                    yield item
 
         return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=handler.request_deserializer,
                                                     response_serializer=handler.response_serializer)
@@ -317,6 +307,16 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", choices=["auto", "hf", "fast"],
                         help="how the model runs: hf (transformers, any model), fast (specdec's Llama forward, same "
                              "outputs, faster on CPU), auto (default: fast for Llama-family float32 models on CPU)")
+
+
+def add_session_flags(parser: argparse.ArgumentParser, max_sessions: int, batch_window_ms: float) -> None:
+    """How many sessions the draft and target services keep, and how they batch their calls."""
+    parser.add_argument("--max-sessions", type=int, default=max_sessions,
+                        help="sessions whose KV cache is kept (least recently used go first)")
+    parser.add_argument("--max-batch", type=int, default=8, help="sessions per batched model call")
+    parser.add_argument("--batch-window-ms", type=float, default=batch_window_ms,
+                        help="how long a call waits for others to join its batch")
+    parser.add_argument("--max-k", type=int, default=32, help="most tokens per Propose or Verify block")
 
 
 def model_placement(args: argparse.Namespace) -> tuple[str, "torch.dtype"]:  # noqa: F821
