@@ -75,7 +75,7 @@ def _why() -> str:
 
 @dataclass(frozen=True)
 class _Input:
-    row: int  # also its sequence id
+    row: int  # the cache row (its sequence id: LlamaCppCache.seqs[row])
     column: int
     token: int
     pos: int
