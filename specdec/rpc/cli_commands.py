@@ -4,6 +4,7 @@ coordinator). Registered by specdec/cli.py; grpc is imported only when a command
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -96,6 +97,10 @@ def _resume_hint(address: str, session_id: str, committed: int) -> str:
 
 
 def _cmd_client(args: argparse.Namespace) -> int:
+    # gRPC's C core logs connection events on stderr at INFO (e.g. "Got goaway ... Cancelling all
+    # calls" when a server goes away mid-stream); the client prints its own one-line messages
+    # instead. Read when grpc loads, so set before the imports below (a user's setting wins).
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     import asyncio
 
     from specdec.errors import SpecdecError
