@@ -107,6 +107,7 @@ class Coordinator:
         self.store_ok = True  # the last answer of the store watcher
         self.on_store_change: Optional[Callable[[bool], Awaitable[None]]] = None  # e.g. health SERVING / NOT_SERVING
         self._store_watch: Optional[asyncio.Task] = None
+        self._store_recheck: Optional[asyncio.Future] = None
 
     def start(self) -> None:
         self.draft_pool.start()
@@ -117,13 +118,29 @@ class Coordinator:
         """Ping Redis in the background (not per request) and report each change: without its
         session store the coordinator can serve nothing, and its health must say so."""
         while True:
-            ok = await self.store.ping()
-            if ok != self.store_ok:
-                self.store_ok = ok
-                (log.info if ok else log.warning)("session store %s", "reachable again" if ok else "unreachable")
-                if self.on_store_change is not None:
-                    await self.on_store_change(ok)
+            await self._store_seen(await self.store.ping())
             await asyncio.sleep(self.settings.probe_interval_s)
+
+    async def _store_seen(self, ok: bool) -> None:
+        if ok != self.store_ok:
+            self.store_ok = ok
+            (log.info if ok else log.warning)("session store %s", "reachable again" if ok else "unreachable")
+            if self.on_store_change is not None:
+                await self.on_store_change(ok)
+
+    async def _store_back(self) -> bool:
+        """A request while the store is marked down asks Redis itself (one ping shared by all such
+        requests, at most a second): Redis back between two watcher pings serves new sessions at once."""
+        if self._store_recheck is None or self._store_recheck.done():
+            self._store_recheck = asyncio.ensure_future(self.store.ping())
+        try:
+            async with asyncio.timeout(1.0):
+                ok = await asyncio.shield(self._store_recheck)
+        except TimeoutError:
+            return False
+        if ok:
+            await self._store_seen(True)
+        return ok
 
     # --- the target's model facts, fetched once ---------------------------------------------
     async def info(self) -> ModelInfo:
@@ -262,7 +279,7 @@ class Coordinator:
     async def _open(self, req: Request) -> tuple[SessionRun, int]:
         if req.resume_from < 0:
             raise InvalidRequest(f"resume_from must be >= 0, got {req.resume_from}")
-        if not self.store_ok:
+        if not self.store_ok and not await self._store_back():
             raise Unavailable(STORE_DOWN)
         session_id = check_session_id(req.session_id) if req.session_id else uuid.uuid4().hex
         await self.info()

@@ -16,7 +16,9 @@ from array import array
 from typing import Optional, Sequence
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError, RedisError
 
 from specdec.errors import Aborted, NotFound, Unavailable
 from specdec.sessions import check_session_id
@@ -66,6 +68,10 @@ class SessionStore:
         self.url = url
         self.ttl_s = int(ttl_s)
         # Short timeouts: a down Redis must surface as UNAVAILABLE quickly, not after the defaults.
+        # One reconnect on a broken pooled connection (Redis restarted since it was opened): the
+        # first request after a restart must not fail on a socket the old server closed. A commit
+        # retried after it ran is refused by its version check, never applied twice.
+        options = {"retry": Retry(NoBackoff(), 1), "retry_on_error": [RedisConnectionError], **options}
         self.redis = client or aioredis.from_url(url, socket_timeout=5, socket_connect_timeout=2, **options)
         self._create = self.redis.register_script(_CREATE)
         self._commit = self.redis.register_script(_COMMIT)
