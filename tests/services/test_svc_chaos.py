@@ -18,7 +18,7 @@ from specdec.decode import plain_generate
 from specdec.rpc.clients import CoordinatorClient
 from specdec.types import StopConditions
 from tests.conftest import assert_greedy_equal
-from tests.services.test_svc_up import Up, long_models  # noqa: F401 - the module fixture is used below
+from tests.services.test_svc_up import Up, long_models, ready_up  # noqa: F401 - the module fixture is used below
 
 CLIENTS = 16
 CHAOS_S = 60.0
@@ -28,12 +28,8 @@ PROMPTS = [[3, 4, 10, 11, 12, 13, 14], [5, 6, 7, 30, 31], [40, 41, 42, 43, 44, 4
 
 @pytest.fixture(scope="module")
 def chaos_up(tmp_path_factory, long_models):  # noqa: F811
-    running = Up(tmp_path_factory.mktemp("chaos-up"), long_models[1], long_models[2])
-    try:
-        running.wait_for(r"ready", timeout=240)
+    with ready_up(tmp_path_factory.mktemp("chaos-up"), long_models) as running:
         yield running
-    finally:
-        running.close()
 
 
 async def _one_request(address: str, prompt: list[int], deadline: float) -> tuple[list[int], int, list[str]]:

@@ -6,6 +6,7 @@ stream goes on across a killed draft and a killed target), and says `stopped`.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -93,14 +94,21 @@ def long_models(tmp_path_factory):
     return target, str(root / "target"), str(root / "draft")
 
 
-@pytest.fixture(scope="module")
-def up(tmp_path_factory, long_models):
-    running = Up(tmp_path_factory.mktemp("up"), long_models[1], long_models[2])
+@contextlib.contextmanager
+def ready_up(directory, long_models):
+    """A `specdec up` over the long models that has said `ready`; stopped on leaving."""
+    running = Up(directory, long_models[1], long_models[2])
     try:
         running.wait_for(r"ready", timeout=240)
         yield running
     finally:
         running.close()
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory, long_models):
+    with ready_up(tmp_path_factory.mktemp("up"), long_models) as running:
+        yield running
 
 
 def test_up_says_ready_without_warnings_while_its_services_start(up):
