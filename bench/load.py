@@ -163,7 +163,7 @@ def main() -> int:
         asyncio.run(serve(args.serve, args.port, args.redis_url, args.draft, args.target))
         return 0
 
-    from specdec.rpc.launcher import RedisServer, free_port
+    from specdec.rpc.launcher import RedisServer, free_port, stop_processes
 
     env = dict(os.environ, OMP_NUM_THREADS="1", GRPC_VERBOSITY="ERROR")
     redis = RedisServer().start()
@@ -180,15 +180,7 @@ def main() -> int:
         pids = {"redis-server": redis.proc.pid, **{name: proc.pid for name, proc in procs.items()}}
         asyncio.run(load(args, addr["coordinator"], pids))
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(list(procs.values()), 15)
         redis.stop()
     return 0
 

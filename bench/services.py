@@ -114,14 +114,9 @@ class Procs:
         return proc
 
     def stop(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        from specdec.rpc.launcher import stop_processes
+
+        stop_processes(self.procs, 20)
 
 
 async def through(address, prompts, n, k, concurrent=False):

@@ -159,7 +159,6 @@ class Engine:
         """on_text(piece): the answer's text as it is accepted, in pieces that together are
         exactly Completion.text (an incomplete character or a possible stop string is held back)."""
         ids = self.encode(prompt, chat=chat)
-        k = self.k_schedule(method, k)  # any cost measurement happens before the first token
         stream = TextStream(self.decode, stop.stop_strings) if on_text is not None else None
 
         def emit(row: int, tokens: Sequence[int]) -> None:

@@ -203,18 +203,23 @@ class Stack:
             time.sleep(poll_s)
 
     def stop(self, grace: float = 5.0) -> None:
-        for svc in reversed(self.services):
-            if svc.proc is not None and svc.proc.poll() is None:
-                svc.proc.send_signal(signal.SIGTERM)
-        end = time.monotonic() + grace + 5
-        for svc in self.services:
-            if svc.proc is not None:
-                try:
-                    svc.proc.wait(max(0.1, end - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    svc.proc.kill()
-                    svc.proc.wait()
+        stop_processes([svc.proc for svc in reversed(self.services) if svc.proc is not None], grace + 5)
         self.redis.stop()
+
+
+def stop_processes(procs: Sequence[subprocess.Popen], timeout: float) -> None:
+    """SIGTERM every process still running (in the order given), then wait for all of them
+    together up to `timeout` seconds; kill what is left."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    end = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 async def _wait_serving(address: str, service: str, proc: subprocess.Popen, timeout: float) -> None:

@@ -16,7 +16,7 @@ import pytest
 from specdec.decode import plain_generate
 from specdec.models import load_model, perturbed_copy, tiny_llama
 from specdec.rpc.clients import CoordinatorClient, ServiceClient
-from specdec.rpc.launcher import _wait_serving, free_port
+from specdec.rpc.launcher import _wait_serving, free_port, stop_processes
 from specdec.types import StopConditions
 from tests.conftest import assert_greedy_equal
 
@@ -84,15 +84,7 @@ def test_services_as_processes_match_plain_decoding_and_stop_on_sigterm(tmp_path
         assert not serving_after_term
         assert procs["target"].wait(timeout=30) == 0, procs["target"].stderr.read().decode()[-2000:]
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(list(procs.values()), 15)
 
 
 def test_service_flags_can_come_from_a_toml_file_and_flags_override_it(tmp_path):
