@@ -261,6 +261,7 @@ def _specdec_runner(ctx: BenchContext, method: str, backend: str) -> Runner:
     from specdec.decode import plain_generate, speculative_generate
 
     engine = ctx.engines[backend]
+    method = engine.resolve_method(method)  # "auto": what `specdec generate` would run here
     factory = engine.proposer_factory(method)  # fails now (e.g. missing Medusa heads), not on the first prompt
     lm = engine.target.lm
     schedule = engine.k_schedule(method, ctx.config.k)  # measured before any clock starts
@@ -312,7 +313,6 @@ def build_context(config: BenchConfig, target: Optional[LoadedModel] = None,
                   draft: Optional[LoadedModel] = None) -> BenchContext:
     """Load (or adopt) the models and build one specdec Engine per backend over the same weights."""
     from specdec.engine import Engine, EngineConfig
-    from specdec.models import resolve_backend
 
     if target is None:
         target = load_model(config.target, device=config.device, backend="hf")
@@ -320,7 +320,7 @@ def build_context(config: BenchConfig, target: Optional[LoadedModel] = None,
         draft = load_draft_for_bench(config.draft, target, config.device)
     eos = target.lm.eos_token_ids
     ctx = BenchContext(config, target, draft, StopConditions(max_new_tokens=config.max_new_tokens, eos_token_ids=eos))
-    for backend in dict.fromkeys(resolve_backend(target.lm.model, b) for b in config.backends):
+    for backend in dict.fromkeys(_resolve_auto(config, target, b) for b in config.backends):
         if backend == "llamacpp":
             ctx.engines[backend] = _llamacpp_engine(config, draft)
             continue
@@ -328,6 +328,21 @@ def build_context(config: BenchConfig, target: Optional[LoadedModel] = None,
                                                   None if draft is None else _on_backend(draft, backend),
                                                   EngineConfig(target=config.target))
     return ctx
+
+
+def _resolve_auto(config: BenchConfig, target: LoadedModel, backend: str) -> str:
+    """A backend name, "auto" resolved as `specdec generate` resolves it for its default method
+    (specdec.backend_choice: measured once per machine and kept)."""
+    from specdec.backend_choice import dual_gguf, load_faster
+    from specdec.engine import EngineConfig, default_cost_store
+    from specdec.models import backend_name, load_gguf_model, resolve_backend
+
+    gguf = dual_gguf(config.target) if config.device == "cpu" else None
+    if backend != "auto" or gguf is None:
+        return resolve_backend(target.lm.model, backend)
+    chosen = load_faster(gguf, default_cost_store(EngineConfig()),
+                         {"fast": lambda: _on_backend(target, "fast"), "llamacpp": lambda: load_gguf_model(config.target)})
+    return backend_name(chosen.lm)
 
 
 def _llamacpp_engine(config: BenchConfig, draft: Optional[LoadedModel]):
@@ -380,7 +395,7 @@ def available_methods(ctx: BenchContext) -> tuple[dict[str, Runner], dict[str, s
     for name, factory in PEER_FACTORIES.items():
         candidates.append((name, lambda f=factory: f(ctx)))
     backends = list(ctx.engines)
-    for method in method_names():
+    for method in ("auto", *method_names()):
         for backend in backends:
             candidates.append((method_label(method, backend, backends),
                                lambda m=method, b=backend: _specdec_runner(ctx, m, b)))

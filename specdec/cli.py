@@ -15,7 +15,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("generate", help="decode one prompt and print the text and a stats line")
     p.add_argument("prompt", help="the user prompt (wrapped in the chat template unless --no-chat)")
-    p.add_argument("--method", default="plain", choices=method_names(), help="how tokens are proposed")
+    p.add_argument("--method", default="auto", choices=("auto", *method_names()),
+                   help="how tokens are proposed; auto: prompt lookup where this machine's measured verify cost "
+                        "lets speculation pay, else plain (the output is the same either way)")
     p.add_argument("--k", default="auto",
                    help="tokens drafted per step: a number, or auto (default: for draft and prompt-lookup, chosen "
                         "after every step from this machine's measured verify and draft costs and the running "
@@ -36,8 +38,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="auto", choices=list(BACKENDS),
                    help="how the target runs: hf (transformers, any model), fast (specdec's Llama forward, same "
                         "outputs, faster on CPU), fast-bf16 (LOSSY: bfloat16 weights), llamacpp (the GGUF file on "
-                        "llama.cpp: its own quantized arithmetic), auto (default: fast for Llama-family float32 "
-                        "models on CPU, else hf)")
+                        "llama.cpp: its own quantized arithmetic), auto (default: for the embedded target, the "
+                        "faster of llamacpp and fast on this machine, measured once; fast for Medusa and Lookahead "
+                        "and for other Llama-family float32 models on CPU; else hf)")
     p.add_argument("--heads", default=None, metavar="DIR",
                    help="Medusa heads directory for --method medusa (default: the heads shipped for the target)")
     p.add_argument("--tree", default=None,
@@ -79,13 +82,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     lookahead = _lookahead_config(args)
     _quiet_model_loading()
     config = EngineConfig(target=args.target, draft=args.draft if args.method == "draft" else None, lookahead=lookahead,
-                          backend=args.backend, medusa_heads=args.heads, medusa_tree=args.tree)
+                          backend=args.backend, medusa_heads=args.heads, medusa_tree=args.tree, methods=(args.method,))
     engine = Engine(config, costs=default_cost_store(config, notify=_say))
-    out = engine.complete(args.prompt, method=args.method, sampling=sampling, stop=stop, k=k, chat=not args.no_chat,
+    method = engine.resolve_method(args.method)
+    out = engine.complete(args.prompt, method=method, sampling=sampling, stop=stop, k=k, chat=not args.no_chat,
                           on_text=lambda piece: print(piece, end="", flush=True))
     s = out.result.stats
     print()
-    label = args.method + (", typical acceptance: LOSSY" if typical is not None and not sampling.greedy else "")
+    label = (f"{args.method}: {method}" if method != args.method else method) + f" on {engine.backend}"
+    label += ", typical acceptance: LOSSY" if typical is not None and not sampling.greedy else ""
     print(f"[{label}] {s.emitted} tokens in {s.elapsed_s:.2f} s: {s.tokens_per_s:.1f} tok/s, "
           f"tau {s.tau:.2f}, alpha {s.alpha:.2f}, target forwards {s.target_forwards}, "
           f"finish {out.result.finish_reason}")

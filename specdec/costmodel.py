@@ -201,6 +201,39 @@ def quick_draft_cost(draft, target) -> float:
     return t_draft / t_target
 
 
+TYPICAL_PROMPT_TOKENS = 128
+TYPICAL_NEW_TOKENS = 128  # `specdec generate`'s default
+
+
+def measure_request_seconds(lm, prompt_tokens: int = TYPICAL_PROMPT_TOKENS, new_tokens: int = TYPICAL_NEW_TOKENS,
+                            steps: int = 16, repeats: int = 3, cpu_time: bool = False) -> dict[str, float]:
+    """What a typical greedy request costs on `lm`, through the engine's interface: the median
+    seconds to prefill `prompt_tokens` random tokens, the median seconds of a 1-token decode step
+    right after (over `steps` steps), and their sum for a request of `new_tokens` new tokens.
+    -> {"prefill_s", "step_s", "request_s"}. The first repeat warms up and is not counted."""
+    clock = timer(cpu_time)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, lm.vocab_size, (prompt_tokens,), generator=gen).tolist()
+    prefills, step_times = [], []
+    for rep in range(repeats + 1):
+        cache = lm.new_cache(1)
+        t0 = clock()
+        out = lm.prefill(cache, [prompt])
+        prefill_s = clock() - t0
+        token = int(out.logits[0].argmax())
+        for _ in range(steps):
+            t0 = clock()
+            out = lm.forward(cache, torch.tensor([[token]]))
+            token = int(out.logits[0, -1].argmax())
+            if rep:
+                step_times.append(clock() - t0)
+        if rep:
+            prefills.append(prefill_s)
+        del cache
+    prefill_s, step_s = statistics.median(prefills), statistics.median(step_times)
+    return {"prefill_s": prefill_s, "step_s": step_s, "request_s": prefill_s + new_tokens * step_s}
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -259,6 +292,11 @@ class CostStore:
                "model": target.cost_identity()}
         return float(self._get(key, f"the draft's cost against the target {target.name}",
                                lambda: quick_draft_cost(draft, target)))
+
+    def figure(self, key: dict, what: str, measure: Callable[[], object]):
+        """Any other figure (JSON-serialisable), kept under `key` like the ones above; `key` must
+        say everything the figure depends on (use machine_identity) and name it under "figure"."""
+        return self._get(key, what, measure)
 
     def path_for(self, key: dict) -> Optional[Path]:
         if self.directory is None:

@@ -7,14 +7,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from specdec.costmodel import CostStore
+from specdec.costmodel import CostStore, best_k, predicted_speedup
 from specdec.decode import KSchedule, OnEmit, plain_generate, speculative_generate
 from specdec.errors import InvalidRequest
-from specdec.models import LoadedModel, check_compatible, format_prompt, load_model, user_cache_dir
+from specdec.models import LoadedModel, backend_name, check_compatible, format_prompt, load_model, user_cache_dir
 from specdec.proposers import PLAIN, ProposerEnv, ProposerFactory, load_proposer, method_names
 from specdec.proposers.lookahead import LookaheadConfig
 from specdec.stopping import TextStream, cut_at_stop_string
 from specdec.types import GenerationResult, SamplingParams, StopConditions
+
+
+# The method `specdec generate` uses unless told: see Engine.resolve_method.
+AUTO = "auto"
+# The acceptance rate at which "auto" asks whether speculation can pay (prompt lookup's on the
+# dev prompts was 0.49 on the fast backend: README's benchmark).
+AUTO_ALPHA = 0.5
 
 
 @dataclass(frozen=True)
@@ -24,9 +31,13 @@ class EngineConfig:
     cache_dir: Optional[Path] = None  # where the embedded default is cached (None: ~/.cache/specdec)
     # where measured costs (v(k), the draft cost c) are kept across runs (None: ~/.cache/specdec/costs)
     cost_cache: Optional[Path] = None
-    # How the target runs (models.BACKENDS): "auto" = specdec's fast Llama forward for float32 Llama-family
-    # models on CPU (same outputs, ~1.5x faster there), transformers ("hf") for anything else.
+    # How the target runs (models.BACKENDS). "auto": for the embedded default, whichever of llama.cpp
+    # (its GGUF) and the float32 fast forward measures faster here for the methods below (specdec.
+    # backend_choice); for other models the fast forward for float32 Llama-family models on CPU, else hf.
     backend: str = "auto"
+    # The methods this engine will be asked for (() = any): backend "auto" picks one that runs them all
+    # (Medusa and Lookahead need a torch backend).
+    methods: tuple[str, ...] = ()
     medusa_heads: Optional[str] = None  # Medusa heads directory (None: the heads shipped for the target)
     medusa_tree: Optional[str] = None  # Medusa tree: None/"auto", "chain", a node count, or JSON paths
     lookahead: LookaheadConfig = LookaheadConfig()  # window W, n-gram size N, guesses G for "lookahead"
@@ -76,7 +87,12 @@ class Engine:
     def __init__(self, config: EngineConfig = EngineConfig(), costs: Optional[CostStore] = None):
         self.config = config
         self.costs = costs or default_cost_store(config)
-        self.target: LoadedModel = load_model(config.target, cache_dir=config.cache_dir, backend=config.backend)
+        if config.backend == "auto":
+            from specdec.backend_choice import load_fastest
+
+            self.target: LoadedModel = load_fastest(config.target, config.methods, self.costs, config.cache_dir)
+        else:
+            self.target = load_model(config.target, cache_dir=config.cache_dir, backend=config.backend)
         self.draft: Optional[LoadedModel] = None
         if config.draft is not None:
             self.draft = _load_draft(config.draft, self.target, config)
@@ -96,6 +112,11 @@ class Engine:
             check_compatible(target, draft)
         return engine
 
+    @property
+    def backend(self) -> str:
+        """The backend the target runs on ("auto" resolved): llamacpp, fast or hf."""
+        return backend_name(self.target.lm)
+
     def require_draft(self) -> LoadedModel:
         """The configured draft, else (loaded once) the draft shipped for the target."""
         if self.draft is None:
@@ -111,6 +132,18 @@ class Engine:
             env = ProposerEnv(self.target.lm, self.config, self.costs, lambda: self.require_draft().lm)
             self._factories[method] = load_proposer(method, env)
         return self._factories[method]
+
+    def resolve_method(self, method: str) -> str:
+        """method as given, or for "auto": prompt lookup (k auto) where the target's measured
+        verify cost lets a draft that is right half the time pay (AUTO_ALPHA; its k auto then
+        follows each row's real acceptance), else plain: on a compute-bound backend (llama.cpp on a
+        CPU: a forward over k tokens costs ~k single steps) speculation cannot pay and auto never
+        probes for it."""
+        if method != AUTO:
+            return method
+        v = self.costs.verify_cost(self.target.lm)
+        k = best_k(AUTO_ALPHA, 0.0, v, range(1, 9))
+        return "prompt-lookup" if predicted_speedup(AUTO_ALPHA, k, 0.0, v) > 1.0 else PLAIN
 
     def k_schedule(self, method: str, k: "KSchedule | int | str") -> KSchedule | int:
         """k as given, or for "auto": for draft and prompt-lookup, the cost-aware schedule from
@@ -141,8 +174,9 @@ class Engine:
                      k: KSchedule | int | str = 4, on_emit: Optional[OnEmit] = None) -> list[GenerationResult]:
         """k: a number, a KSchedule, or "auto" (see k_schedule); on_emit(row, tokens): each row's
         tokens as they are committed."""
-        if method not in method_names():
-            raise InvalidRequest(f"unknown method {method!r}; choose one of {', '.join(method_names())}")
+        if method != AUTO and method not in method_names():
+            raise InvalidRequest(f"unknown method {method!r}; choose one of {AUTO}, {', '.join(method_names())}")
+        method = self.resolve_method(method)
         k = self.k_schedule(method, k)
         if not stop.eos_token_ids:
             stop = StopConditions(stop.max_new_tokens, self.target.lm.eos_token_ids, stop.stop_strings)

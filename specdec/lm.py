@@ -36,6 +36,7 @@ class CausalLM:
     """A transformers causal LM in eval mode, plus what the engine needs to know about it."""
 
     returns_hidden = True  # forward(want_hidden=True) gives the last hidden state (Medusa heads read it)
+    runs_trees = True  # forward takes tree blocks (block_mask); False: causal chains only
 
     def __init__(self, model: torch.nn.Module, name: str = "model"):
         self.model = model.eval()

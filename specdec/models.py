@@ -162,6 +162,18 @@ def resolve_backend(model: torch.nn.Module, backend: str) -> str:
     return "hf"
 
 
+def backend_name(lm: Any) -> str:
+    """Which backend runs a loaded model: llamacpp, fast, fast-bf16 or hf."""
+    from specdec.fast import FastLlamaLM
+    from specdec.llamacpp.model import LlamaCppLM
+
+    if isinstance(lm, LlamaCppLM):
+        return "llamacpp"
+    if isinstance(lm, FastLlamaLM):
+        return "fast-bf16" if lm.weight_dtype != lm.dtype else "fast"
+    return "hf"
+
+
 def wrap_model(model: torch.nn.Module, name: str, backend: str = "hf") -> CausalLM:
     """The engine's adapter for a loaded transformers model, on the chosen backend."""
     backend = resolve_backend(model, backend)

@@ -183,6 +183,7 @@ class LlamaCppLM:
     the model's training context, at most 4096: each row's KV stream is allocated whole)."""
 
     returns_hidden = False  # see want_hidden in forward
+    runs_trees = False  # causal chains only: see the module docstring
 
     def __init__(self, path: str | Path, name: Optional[str] = None, threads: Optional[int] = None,
                  context: Optional[int] = None, n_batch: int = 512):
@@ -234,11 +235,7 @@ class LlamaCppLM:
         return self._tables
 
     def cost_identity(self) -> dict:
-        stat = self.path.stat()
-        with self.path.open("rb") as f:
-            head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
-        return {"impl": type(self).__qualname__, "name": self.name, "file_bytes": stat.st_size, "file_head": head,
-                "llama_cpp": metadata.version("llama_cpp_python"), "threads": self.threads}
+        return {"impl": type(self).__qualname__, "name": self.name, **gguf_identity(self.path), "threads": self.threads}
 
     def new_cache(self, batch_size: int) -> LlamaCppCache:
         return LlamaCppCache(self, batch_size)
@@ -289,6 +286,18 @@ class LlamaCppLM:
         out = self.forward(cache, ids, input_valid=valid, logits_at=cols, want_hidden=want_hidden)
         cache.settle()
         return ForwardOutput(logits=out.logits[torch.arange(len(prompts)), inverse])
+
+
+def gguf_identity(path: Path) -> dict:
+    """What a cost measured on this GGUF file depends on, read without loading it: the file
+    (size, a digest of its first MiB) and the llama.cpp build."""
+    with Path(path).open("rb") as f:
+        head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
+    try:
+        version = metadata.version("llama_cpp_python")
+    except metadata.PackageNotFoundError:
+        version = "none"
+    return {"file_bytes": Path(path).stat().st_size, "file_head": head, "llama_cpp": version}
 
 
 def _check_chain(block_mask: Optional[torch.Tensor], depth: Optional[torch.Tensor], b: int, fed: list[int]) -> None:

@@ -58,16 +58,35 @@ class ProposerEnv:
 ProposerFactory = Callable[[], Proposer]
 Loader = Callable[[ProposerEnv], ProposerFactory]
 PROPOSERS: dict[str, Loader] = {}
+# Methods whose blocks are trees (or that read the target's hidden states): they need a target
+# whose `runs_trees` is true (the torch backends), not one that runs causal chains only (llama.cpp).
+TREE_METHODS: set[str] = set()
 
 
-def register(name: str) -> Callable[[Loader], Loader]:
+def register(name: str, trees: bool = False) -> Callable[[Loader], Loader]:
+    """trees: the method's blocks are trees, or it reads hidden states (see TREE_METHODS)."""
+
     def deco(loader: Loader) -> Loader:
         if name in PROPOSERS or name == PLAIN:
             raise ValueError(f"method {name!r} is already registered")
         PROPOSERS[name] = loader
+        if trees:
+            TREE_METHODS.add(name)
         return loader
 
     return deco
+
+
+def needs_trees(method: str) -> bool:
+    """Whether the method needs a target that runs tree blocks (and returns hidden states)."""
+    return method in TREE_METHODS
+
+
+def check_runs(method: str, target: "CausalLM") -> None:
+    """Refuse, with a message that says what to do, a method this target cannot run."""
+    if needs_trees(method) and not getattr(target, "runs_trees", True):
+        raise InvalidRequest(f"method {method} verifies tree blocks, which {target.name} on this backend does not "
+                             "run (llama.cpp runs causal chains only): use backend fast or hf, or auto")
 
 
 def method_names() -> tuple[str, ...]:
@@ -81,4 +100,5 @@ def load_proposer(name: str, env: ProposerEnv) -> ProposerFactory:
         loader = PROPOSERS[name]
     except KeyError:
         raise InvalidRequest(f"unknown method {name!r}; choose one of {', '.join(method_names())}") from None
+    check_runs(name, env.target)
     return loader(env)

@@ -268,6 +268,6 @@ class LookaheadProposer(Proposer):
                                     lambda: self._context_token(row, refill_from))
 
 
-@register("lookahead")
+@register("lookahead", trees=True)
 def _load(env: ProposerEnv) -> ProposerFactory:
     return lambda: LookaheadProposer(env.config.lookahead)  # a window and a pool per request / session

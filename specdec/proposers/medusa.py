@@ -147,7 +147,7 @@ def heads_for_target(target_name: str, heads_dir: Optional[str], lm: CausalLM) -
     return load_heads(path, lm)
 
 
-@register("medusa")
+@register("medusa", trees=True)
 def _load(env: ProposerEnv) -> ProposerFactory:
     """Heads from env.config.medusa_heads or the shipped ones, loaded once (loading gathers the
     draftable output rows). The proposer keeps no state between steps (observe learns nothing),

