@@ -37,6 +37,7 @@ class CausalLM:
 
     returns_hidden = True  # forward(want_hidden=True) gives the last hidden state (Medusa heads read it)
     runs_trees = True  # forward takes tree blocks (block_mask); False: causal chains only
+    stacks_caches = True  # batch-1 caches stack into one batched cache (kv_stack); False: verified in turn
 
     def __init__(self, model: torch.nn.Module, name: str = "model"):
         self.model = model.eval()

@@ -184,6 +184,7 @@ class LlamaCppLM:
 
     returns_hidden = False  # see want_hidden in forward
     runs_trees = False  # causal chains only: see the module docstring
+    stacks_caches = False  # a cache is a llama.cpp context: sessions' caches are verified in turn
 
     def __init__(self, path: str | Path, name: Optional[str] = None, threads: Optional[int] = None,
                  context: Optional[int] = None, n_batch: int = 512):

@@ -304,9 +304,11 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="auto (default: the first CUDA GPU if one is visible, else cpu), cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto (default: float32 on cpu, bfloat16 on a GPU), "
                         "float32, bfloat16, float16")
-    parser.add_argument("--backend", default="auto", choices=["auto", "hf", "fast"],
+    parser.add_argument("--backend", default="auto", choices=["auto", "hf", "fast", "llamacpp"],
                         help="how the model runs: hf (transformers, any model), fast (specdec's Llama forward, same "
-                             "outputs, faster on CPU), auto (default: fast for Llama-family float32 models on CPU)")
+                             "outputs, faster on CPU), llamacpp (the target's GGUF file on llama.cpp: causal chains "
+                             "only, so its target-side fallback is plain decoding; sessions verified in turn; a "
+                             "torch draft), auto (default: fast for Llama-family float32 models on CPU)")
 
 
 def add_session_flags(parser: argparse.ArgumentParser, max_sessions: int, batch_window_ms: float) -> None:

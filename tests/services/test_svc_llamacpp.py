@@ -1,0 +1,62 @@
+"""A target service on llama.cpp (a tiny GGUF written by the test): concurrent sessions through
+draft, target and coordinator give exactly this backend's plain greedy output, with the torch
+draft and with the target-side fallback (plain: llama.cpp runs no tree methods)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specdec.decode import plain_generate
+from specdec.errors import InvalidRequest
+from specdec.types import StopConditions
+from tests.conftest import assert_greedy_equal
+from tests.services.stack import local_stack, mean_batch_size, run
+
+PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 10, 11, 12, 13, 14], [20, 21, 22], [40, 41, 42, 43], [7, 7, 7]]
+
+
+@pytest.fixture(scope="module")
+def gguf_target(long_target, tmp_path_factory):
+    from specdec.llamacpp import LlamaCppLM
+    from specdec.llamacpp.convert import write_llama_gguf
+
+    path = write_llama_gguf(long_target.model, tmp_path_factory.mktemp("gguf") / "long.gguf")
+    return LlamaCppLM(path, threads=1, context=512)
+
+
+def _plain(lm, prompt, n):
+    return plain_generate(lm, [prompt], stop=StopConditions(max_new_tokens=n, eos_token_ids=lm.eos_token_ids))[0]
+
+
+@pytest.mark.parametrize("method", ["draft", "auto"])
+def test_concurrent_sessions_on_a_llamacpp_target_equal_its_plain_decoding(redis_url, gguf_target, good_draft, method):
+    async def scenario():
+        async with local_stack(redis_url, gguf_target, good_draft if method == "draft" else None) as st:
+            outs = await asyncio.gather(*(st.client.generate(st.client.request(token_ids=p, max_tokens=30,
+                                                                                method=method)) for p in PROMPTS))
+            return outs, mean_batch_size(st.targets[0].core.metrics), st.targets[0].core.available_methods()
+
+    outs, batch, methods = run(scenario())
+    assert "lookahead" not in methods and "medusa" not in methods  # trees: not on llama.cpp
+    for p, out in zip(PROMPTS, outs):
+        want = _plain(gguf_target, p, 30)
+        assert_greedy_equal(gguf_target, p, out.token_ids, want.token_ids)
+        assert out.finish_reason == want.finish_reason
+    if method == "draft":
+        assert sum(o.stats["accepted"] for o in outs) > 0, "nothing accepted: rollback paths did not run"
+        assert all(o.stats["fallback_steps"] == 0 for o in outs)
+    else:
+        assert all(o.stats["fallback_steps"] > 0 for o in outs)
+    assert batch > 1, "no two sessions were ever verified in one batch: the in-turn path did not run"
+
+
+def test_a_tree_method_on_a_llamacpp_target_is_refused_with_a_clear_message(redis_url, gguf_target):
+    async def scenario():
+        async with local_stack(redis_url, gguf_target) as st:
+            return await st.client.generate(st.client.request(token_ids=PROMPTS[0], max_tokens=8, method="lookahead"))
+
+    with pytest.raises(InvalidRequest, match="unknown method 'lookahead'; choose one of .*prompt-lookup") as err:
+        run(scenario())
+    assert "lookahead" not in str(err.value).split("choose one of")[1]
