@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from specdec.errors import ModelLoadError
 from specdec.lm import CausalLM
 
 log = logging.getLogger("draft_service")
@@ -44,6 +45,9 @@ def load_draft(path: Optional[str], device: str = "cpu", dtype: torch.dtype = to
                backend: str = "auto") -> CausalLM:
     """The draft on `device` at `dtype` and `backend` (specdec.models.BACKENDS; a specdec draft
     directory borrows the embedded target's embeddings, loaded there too)."""
+    if backend == "llamacpp":
+        raise ModelLoadError("the draft service runs its draft on torch (--backend auto, fast or hf): a target on "
+                             "llama.cpp takes the same torch draft (drafts only change speed, never the output)")
     if path is None:
         return default_draft(device, dtype, backend)
     from specdec.drafts import is_draft_dir

@@ -6,7 +6,10 @@
   relative to the float32 model);
 - "llamacpp": a GGUF file on llama.cpp (specdec.llamacpp: the embedded default's Q4_1 file, or a
   .gguf path); its outputs are its own (quantized arithmetic), lossless relative to itself;
-- "auto": "fast" for a float32 Llama-family model on CPU, "hf" for anything else.
+- "auto": for the embedded default (a GGUF file with float32 weights beside it), whichever of
+  "llamacpp" and "fast" serves a typical request faster on this machine, measured once and kept
+  (specdec.backend_choice), unless a method needs tree blocks (Medusa, Lookahead: torch only);
+  otherwise "fast" for a float32 Llama-family model on CPU, "hf" for anything else.
 """
 
 BACKENDS = ("auto", "hf", "fast", "fast-bf16", "llamacpp")

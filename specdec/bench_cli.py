@@ -49,10 +49,11 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                         "starts at 4 and adapts)")
     p.add_argument("--methods", default="",
                    help="comma-separated methods (default: every available: hf-generate, hf-assisted, "
-                        "hf-prompt-lookup and every specdec method)")
+                        "hf-prompt-lookup, every specdec method, and auto: what `specdec generate` runs by default)")
     p.add_argument("--backend", default="auto",
                    help=f"specdec backend(s) to run its methods on, comma-separated: {', '.join(_BACKENDS)} "
-                        "(default auto: the engine's default; several: each method once per backend, e.g. plain@hf)")
+                        "(default auto: the one `specdec generate` picks, measured once per machine; several: each "
+                        "method once per backend, e.g. plain@hf)")
     p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default="shipped",
                    help="draft for specdec draft and HF assisted: shipped (default: the draft shipped for the "

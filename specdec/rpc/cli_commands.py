@@ -19,6 +19,9 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-port", type=int, default=0, help="redis-server port (0: a free port)")
     p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default=None, help="draft model directory (default: the draft shipped for the embedded target)")
+    p.add_argument("--target-backend", default="auto", choices=["auto", "hf", "fast", "llamacpp"],
+                   help="how the target service runs its model (its --backend; llamacpp: the GGUF on llama.cpp, "
+                        "target-side fallback plain); the draft service keeps its draft on torch")
     p.add_argument("--pipeline", action="store_true", help="draft the next block while the target verifies")
     p.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoints (9451, 9461, 9462)")
     p.add_argument("--log-dir", default=None, help="write each service's log here (default: this terminal)")
@@ -42,7 +45,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
           file=sys.stderr)
     stack = start_stack(args.host, (args.port, args.draft_port, args.target_port), args.redis_port, args.draft,
                         args.target, args.pipeline, metrics=not args.no_metrics, timeout=args.timeout,
-                        log_dir=args.log_dir, http_port=None if args.http_port < 0 else args.http_port)
+                        log_dir=args.log_dir, http_port=None if args.http_port < 0 else args.http_port,
+                        extra={"target": ["--backend", args.target_backend]})
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     try:
         print(f"redis        {stack.redis.url}  (pid {stack.redis.proc.pid})")

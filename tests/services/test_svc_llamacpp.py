@@ -60,3 +60,11 @@ def test_a_tree_method_on_a_llamacpp_target_is_refused_with_a_clear_message(redi
     with pytest.raises(InvalidRequest, match="unknown method 'lookahead'; choose one of .*prompt-lookup") as err:
         run(scenario())
     assert "lookahead" not in str(err.value).split("choose one of")[1]
+
+
+def test_the_draft_service_refuses_llamacpp_with_what_to_do_instead():
+    from draft_service.models import load_draft
+    from specdec.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="runs its draft on torch"):
+        load_draft(None, backend="llamacpp")
