@@ -4,7 +4,7 @@ logits_at)`, the same shapes as specdec.lm.CausalLM.
 
 - The model's weights are loaded once; each cache is a llama.cpp context whose rows are
   sequence ids with a KV stream each (`kv_unified = false`): no row's entries sit among
-  another's. Each row's block is its own `llama_decode` (see the limitations).
+  another's. A dropped cache's context is cleared and reused by the next cache (`_Contexts`). Each row's block is its own `llama_decode` (see the limitations).
 - A block is fed with explicit positions (the row's length + depth); logits only where asked.
 - Rollback (`keep_last`, `truncate`) is `llama_memory_seq_rm` of the row's tail.
 
@@ -82,35 +82,75 @@ class _Input:
     logits: bool
 
 
-class LlamaCppCache:
-    """One llama.cpp context; row b is sequence id b with a KV stream of its own."""
+class _Contexts:
+    """llama.cpp contexts of one model, by sequence count, and the idle ones kept for reuse:
+    making a context costs ~40 ms here (its KV buffer, its compute graph), as much as a short
+    request's prefill, so a finished generation's or a released session's context is cleared
+    (llama_memory_clear) and handed to the next cache of the same size; at most `keep` wait."""
 
-    def __init__(self, lm: "LlamaCppLM", batch_size: int):
-        lib = self.lib = lm.lib
+    def __init__(self, lm: "LlamaCppLM", keep: int = 4):
+        self.lm, self.keep = lm, keep
+        self._idle: list[tuple[int, object, object]] = []  # (sequences, context, batch)
+        self._lock = threading.Lock()
+
+    def take(self, n_seq: int) -> tuple[object, object]:
+        with self._lock:
+            for i in reversed(range(len(self._idle))):  # the most recently used first
+                n, ctx, batch = self._idle[i]
+                if n == n_seq:
+                    del self._idle[i]
+                    return ctx, batch
+        lm, lib = self.lm, self.lm.lib
         params = lib.llama_context_default_params()
-        params.n_seq_max = max(batch_size, 1)
-        params.n_ctx = lm.max_positions * params.n_seq_max
+        params.n_seq_max = n_seq
+        params.n_ctx = lm.max_positions * n_seq
         params.n_batch = params.n_ubatch = lm.n_batch
         params.kv_unified = False
         params.n_threads = params.n_threads_batch = lm.threads
         params.no_perf = True
-        self.ctx = lib.llama_init_from_model(lm.model_handle, params)
-        if not self.ctx:
+        ctx = lib.llama_init_from_model(lm.model_handle, params)
+        if not ctx:
             raise ModelLoadError(f"llama.cpp could not make a context for {lm.name}: {_why()}")
-        self.mem = lib.llama_get_memory(self.ctx)
-        self.batch = lib.llama_batch_init(lm.n_batch, 0, 1)
+        return ctx, lib.llama_batch_init(lm.n_batch, 0, 1)
+
+    def give(self, n_seq: int, ctx, batch) -> None:
+        lib = self.lm.lib
+        lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
+        with self._lock:
+            if len(self._idle) < self.keep:
+                self._idle.append((n_seq, ctx, batch))
+                return
+        self.free(ctx, batch)
+
+    def free(self, ctx, batch) -> None:
+        self.lm.lib.llama_batch_free(batch)
+        self.lm.lib.llama_free(ctx)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for _, ctx, batch in idle:
+            self.free(ctx, batch)
+
+
+class LlamaCppCache:
+    """One llama.cpp context; row b is sequence id b with a KV stream of its own."""
+
+    def __init__(self, lm: "LlamaCppLM", batch_size: int):
+        self.lib = lm.lib
+        self.contexts = lm.contexts
+        self.n_seq = max(batch_size, 1)
+        self.ctx, self.batch = self.contexts.take(self.n_seq)
+        self.mem = self.lib.llama_get_memory(self.ctx)
         self.seqs = list(range(batch_size))  # row -> its sequence id
         self.length = [0] * batch_size  # tokens kept per row (= the next input's position)
         # Per row, the columns of the last forward that were fed, until keep_last resolves them.
         self.pending: list[list[int]] = [[] for _ in range(batch_size)]
 
     def __del__(self):
-        lib = getattr(self, "lib", None)
-        if lib is None or not getattr(self, "ctx", None):
-            return
-        lib.llama_batch_free(self.batch)
-        lib.llama_free(self.ctx)
-        self.ctx = None
+        if getattr(self, "ctx", None):
+            self.contexts.give(self.n_seq, self.ctx, self.batch)
+            self.ctx = None
 
     @property
     def batch_size(self) -> int:
@@ -205,10 +245,13 @@ class LlamaCppLM:
         eos = {int(lib.llama_vocab_eos(vocab)), int(lib.llama_vocab_eot(vocab))}
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(t for t in eos if t >= 0))
         self._tables: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.contexts = _Contexts(self)
 
     def __del__(self):
         lib = getattr(self, "lib", None)
         if lib is not None and getattr(self, "model_handle", None):
+            if getattr(self, "contexts", None) is not None:
+                self.contexts.close()  # (a cache still alive holds the LM through its pool: none is)
             lib.llama_model_free(self.model_handle)
             self.model_handle = None
 
