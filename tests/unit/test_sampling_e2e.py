@@ -85,3 +85,23 @@ def test_seeded_row_does_not_depend_on_its_batch_neighbours(tiny_target, tiny_dr
     alone = first_row([[4, 5, 6]])
     assert first_row([[4, 5, 6], [7, 8, 9, 10]]) == alone
     assert first_row([[4, 5, 6], [11, 3], [50, 51, 52, 53, 54]]) == alone
+
+
+@pytest.mark.parametrize("name", ["draft_model", "prompt_lookup"])
+def test_speculative_sampling_on_llamacpp_matches_its_own_distribution(small_vocab_target, tmp_path, name):
+    """The same on the llama.cpp backend (the target written as a GGUF): emitted pairs follow the
+    probabilities llama.cpp itself computes. Rows in batches of 250 (llama.cpp's sequence limit)."""
+    from specdec.llamacpp import LlamaCppLM
+    from specdec.llamacpp.convert import write_llama_gguf
+
+    lm = LlamaCppLM(write_llama_gguf(small_vocab_target.model, tmp_path / "small.gguf"), threads=1, context=16)
+    sampling = SamplingParams(temperature=1.0)
+    proposer = (lambda: DraftModelProposer(perturbed_copy(small_vocab_target, 0.5, seed=2))) if name == "draft_model" \
+        else PromptLookupProposer
+    results = []
+    for chunk in range(ROWS // 250):
+        seeded = SamplingParams(temperature=1.0, seed=1000 * chunk + 7)
+        results += speculative_generate(lm, proposer(), [PROMPT] * 250, sampling=seeded,
+                                        stop=StopConditions(max_new_tokens=3, eos_token_ids=()), k=3)
+    assert sum(r.stats.accepted for r in results) > 0, "the draft never got accepted: the test checks nothing"
+    _assert_fits(_histogram(results), _joint_probs(lm, sampling))
