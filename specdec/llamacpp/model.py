@@ -22,13 +22,14 @@ not transformers'.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import hashlib
 import threading
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -47,6 +48,7 @@ def _lib():
     return llama_cpp
 
 
+T = TypeVar("T")
 _LOG_LOCK = threading.Lock()
 _LOG_SINK = None  # the ctypes callback must outlive every call into llama.cpp
 _ERRORS: list[str] = []
@@ -141,6 +143,8 @@ class LlamaCppCache:
         self.contexts = lm.contexts
         self.n_seq = max(batch_size, 1)
         self.ctx, self.batch = self.contexts.take(self.n_seq)
+        self.threads = lm.threads
+        self.lib.llama_set_n_threads(self.ctx, lm.threads, lm.threads)  # a reused context may have had fewer
         self.mem = self.lib.llama_get_memory(self.ctx)
         self.seqs = list(range(batch_size))  # row -> its sequence id
         self.length = [0] * batch_size  # tokens kept per row (= the next input's position)
@@ -165,6 +169,12 @@ class LlamaCppCache:
         """Inputs not resolved by keep_last stay, as in every backend (plain decoding never calls it)."""
         self.length = [n + len(p) for n, p in zip(self.length, self.pending)]
         self.pending = [[] for _ in self.seqs]
+
+    def set_threads(self, n: int) -> None:
+        """llama.cpp threads for this cache's next forwards."""
+        if n != self.threads:
+            self.lib.llama_set_n_threads(self.ctx, n, n)
+            self.threads = n
 
     def keep_last(self, keep: torch.Tensor) -> None:
         """Keep, per row, the first inputs of the last forward marked in keep [batch, q] (a chain:
@@ -246,6 +256,8 @@ class LlamaCppLM:
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(t for t in eos if t >= 0))
         self._tables: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.contexts = _Contexts(self)
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # run_each's workers
+        self._pool_lock = threading.Lock()
 
     def __del__(self):
         lib = getattr(self, "lib", None)
@@ -283,6 +295,21 @@ class LlamaCppLM:
 
     def new_cache(self, batch_size: int) -> LlamaCppCache:
         return LlamaCppCache(self, batch_size)
+
+    def run_each(self, jobs: Sequence[Callable[[], T]], caches: Sequence[LlamaCppCache]) -> list[T]:
+        """Run jobs[i], a step on caches[i] alone (sessions of a service), spreading them over this
+        model's threads: with t threads and n jobs, min(t, n) run at once, each context given t //
+        that many threads (llama.cpp's decode releases the GIL), so one session keeps every thread
+        and several use every core without splitting one forward finely. Results in order."""
+        workers = min(self.threads, len(jobs))
+        for cache in caches:
+            cache.set_threads(self.threads // max(workers, 1))
+        if workers <= 1:
+            return [job() for job in jobs]
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="llamacpp")
+        return [f.result() for f in [self._pool.submit(job) for job in jobs]]
 
     @torch.inference_mode()
     def forward(self, cache: LlamaCppCache, input_ids: torch.Tensor, block_mask: Optional[torch.Tensor] = None,

@@ -18,12 +18,17 @@ PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 10, 11, 12, 13, 14], [20, 21, 22], [40, 41, 4
 
 
 @pytest.fixture(scope="module")
-def gguf_target(long_target, tmp_path_factory):
-    from specdec.llamacpp import LlamaCppLM
+def gguf_path(long_target, tmp_path_factory):
     from specdec.llamacpp.convert import write_llama_gguf
 
-    path = write_llama_gguf(long_target.model, tmp_path_factory.mktemp("gguf") / "long.gguf")
-    return LlamaCppLM(path, threads=1, context=512)
+    return write_llama_gguf(long_target.model, tmp_path_factory.mktemp("gguf") / "long.gguf")
+
+
+@pytest.fixture(scope="module")
+def gguf_target(gguf_path):
+    from specdec.llamacpp import LlamaCppLM
+
+    return LlamaCppLM(gguf_path, threads=1, context=512)
 
 
 def _plain(lm, prompt, n):
@@ -68,3 +73,24 @@ def test_the_draft_service_refuses_llamacpp_with_what_to_do_instead():
 
     with pytest.raises(ModelLoadError, match="runs its draft on torch"):
         load_draft(None, backend="llamacpp")
+
+
+def test_sessions_verified_together_on_two_threads_run_side_by_side_and_stay_exact(redis_url, gguf_path, gguf_target,
+                                                                                  good_draft):
+    """With t threads, up to t sessions' steps run at once, each on its own context (run_each)."""
+    from specdec.llamacpp import LlamaCppLM
+
+    two = LlamaCppLM(gguf_path, threads=2, context=512)
+    seen = []
+    run_each = two.run_each
+    two.run_each = lambda jobs, caches: (seen.append((len(jobs), [c.threads for c in caches])), run_each(jobs, caches))[1]
+
+    async def scenario():
+        async with local_stack(redis_url, two, good_draft) as st:
+            return await asyncio.gather(*(st.client.generate(st.client.request(token_ids=p, max_tokens=30,
+                                                                                method="draft")) for p in PROMPTS))
+
+    outs = run(scenario())
+    for p, out in zip(PROMPTS, outs):
+        assert_greedy_equal(gguf_target, p, out.token_ids, _plain(gguf_target, p, 30).token_ids)
+    assert any(n > 1 and threads == [1] * n for n, threads in seen), seen  # side by side, a thread each
