@@ -8,7 +8,7 @@ times a typical request on both (costmodel.measure_request_seconds: a 128-token 
 versions (in the CostStore, beside v(k) and the draft cost). Each backend is lossless relative
 to itself; their greedy texts may part where two tokens are nearly tied.
 
-Methods whose blocks are trees (Medusa, Lookahead: proposers.needs_trees) run on torch only, so
+Methods whose blocks must be trees (Lookahead: proposers.needs_trees) run on torch only, so
 for them `auto` is the torch rule (models.resolve_backend: fast for float32 Llama-family models
 on CPU, hf otherwise), without measuring. So is every model that is not a GGUF file with torch
 weights beside it (a model directory: torch; a .gguf path: llama.cpp, its one backend here).

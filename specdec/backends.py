@@ -8,7 +8,7 @@
   .gguf path); its outputs are its own (quantized arithmetic), lossless relative to itself;
 - "auto": for the embedded default (a GGUF file with float32 weights beside it), whichever of
   "llamacpp" and "fast" serves a typical request faster on this machine, measured once and kept
-  (specdec.backend_choice), unless a method needs tree blocks (Medusa, Lookahead: torch only);
+  (specdec.backend_choice), unless a method needs tree blocks (Lookahead: torch only);
   otherwise "fast" for a float32 Llama-family model on CPU, "hf" for anything else.
 """
 

@@ -39,7 +39,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="how the target runs: hf (transformers, any model), fast (specdec's Llama forward, same "
                         "outputs, faster on CPU), fast-bf16 (LOSSY: bfloat16 weights), llamacpp (the GGUF file on "
                         "llama.cpp: its own quantized arithmetic), auto (default: for the embedded target, the "
-                        "faster of llamacpp and fast on this machine, measured once; fast for Medusa and Lookahead "
+                        "faster of llamacpp and fast on this machine, measured once; fast for Lookahead "
                         "and for other Llama-family float32 models on CPU; else hf)")
     p.add_argument("--heads", default=None, metavar="DIR",
                    help="Medusa heads directory for --method medusa (default: the heads shipped for the target)")

@@ -36,7 +36,7 @@ class EngineConfig:
     # backend_choice); for other models the fast forward for float32 Llama-family models on CPU, else hf.
     backend: str = "auto"
     # The methods this engine will be asked for (() = any): backend "auto" picks one that runs them all
-    # (Medusa and Lookahead need a torch backend).
+    # (Lookahead needs a torch backend; Medusa runs a chain on llama.cpp).
     methods: tuple[str, ...] = ()
     medusa_heads: Optional[str] = None  # Medusa heads directory (None: the heads shipped for the target)
     medusa_tree: Optional[str] = None  # Medusa tree: None/"auto", "chain", a node count, or JSON paths

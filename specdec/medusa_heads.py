@@ -114,7 +114,7 @@ def new_heads(lm, num_heads: int = 4, num_layers: int = 1, target_name: Optional
     """Untrained heads for the CausalLM `lm` (identity blocks)."""
     if num_heads < 1 or num_layers < 1:
         raise ValueError("need num_heads >= 1 and num_layers >= 1")
-    w = lm.model.get_output_embeddings().weight
+    w = lm.embedding_tables()[1]
     config = HeadsConfig(num_heads=num_heads, hidden_size=int(w.shape[1]), vocab_size=int(w.shape[0]),
                          target_name=target_name or lm.name, target_fingerprint=target_fingerprint(w),
                          num_layers=num_layers)
@@ -151,7 +151,7 @@ def read_config(heads_dir: str | Path) -> HeadsConfig:
 
 def check_heads_match(config: HeadsConfig, lm, where: str = "") -> None:
     """Refuse heads trained for another target (other shapes or another output layer)."""
-    w = lm.model.get_output_embeddings().weight
+    w = lm.embedding_tables()[1]
     shape = (int(w.shape[0]), int(w.shape[1]))
     if shape != (config.vocab_size, config.hidden_size):
         raise IncompatibleModels(

@@ -1,25 +1,26 @@
 """A GGUF model run by llama.cpp (through `llama-cpp-python`'s low-level API) behind the engine's
 model interface: `new_cache`, `prefill`, `forward(cache, ids, block_mask, depth, input_valid,
-logits_at)`, the same shapes as specdec.lm.CausalLM.
+logits_at, want_hidden)`, the same shapes as specdec.lm.CausalLM.
 
 - The model's weights are loaded once; each cache is a llama.cpp context whose rows are
   sequence ids with a KV stream each (`kv_unified = false`): no row's entries sit among
-  another's. A dropped cache's context is cleared and reused by the next cache (`_Contexts`). Each row's block is its own `llama_decode` (see the limitations).
-- A block is fed with explicit positions (the row's length + depth); logits only where asked.
+  another's. A dropped cache's context is cleared and reused by the next cache (`_Contexts`).
+  Each row's block is its own `llama_decode` (see the limitations).
+- A block is fed with explicit positions (the row's length + depth); logits only where asked,
+  and with them the final hidden state when asked (context `embeddings`; Medusa heads read it).
 - Rollback (`keep_last`, `truncate`) is `llama_memory_seq_rm` of the row's tail.
 
 Limitations, measured on this llama.cpp (llama-cpp-python 0.3.36): blocks are chains only. Tree
 blocks need several sequence ids over one KV buffer (`kv_unified`), and there a later input
 placed in a cell freed by a rejected branch, or by another row's rollback, got wrong logits
 (differences of 0.2-1.2 against the same tokens decoded in order; exact with separate streams),
-so Medusa and Lookahead trees stay on the torch backends. Rows of unequal lengths decoded in one
-`llama_decode` (several sequence ids, one KV stream each) also changed some rows' logits by up
-to 1.0 once a row held more than 32 inputs, so rows are decoded one after the other: batching
-across rows saves no weight reads on this backend yet. No hidden states (Medusa heads need
-them). The weights are the GGUF's own (quantized): outputs equal this backend's plain decoding,
-not transformers'.
+so Lookahead stays on the torch backends and Medusa runs here as a chain of its heads' top
+candidates. Rows of unequal lengths decoded in one `llama_decode` (several sequence ids, one KV
+stream each) also changed some rows' logits by up to 1.0 once a row held more than 32 inputs,
+so rows are decoded one after the other: batching across rows saves no weight reads on this
+backend yet. The weights are the GGUF's own (quantized): outputs equal this backend's plain
+decoding, not transformers'.
 """
-
 from __future__ import annotations
 
 import concurrent.futures
@@ -93,6 +94,7 @@ class _Contexts:
     def __init__(self, lm: "LlamaCppLM", keep: int = 4):
         self.lm, self.keep = lm, keep
         self._idle: list[tuple[int, object, object]] = []  # (sequences, context, batch)
+        self.made = 0  # contexts made so far (the rest were reused)
         self._lock = threading.Lock()
 
     def take(self, n_seq: int) -> tuple[object, object]:
@@ -108,11 +110,15 @@ class _Contexts:
         params.n_ctx = lm.max_positions * n_seq
         params.n_batch = params.n_ubatch = lm.n_batch
         params.kv_unified = False
+        # The final hidden state (after the output norm) beside the logits of every position asked
+        # (Medusa heads read it): a copy of 576 floats where 49,152 logits are copied anyway.
+        params.embeddings = True
         params.n_threads = params.n_threads_batch = lm.threads
         params.no_perf = True
         ctx = lib.llama_init_from_model(lm.model_handle, params)
         if not ctx:
             raise ModelLoadError(f"llama.cpp could not make a context for {lm.name}: {_why()}")
+        self.made += 1
         return ctx, lib.llama_batch_init(lm.n_batch, 0, 1)
 
     def give(self, n_seq: int, ctx, batch) -> None:
@@ -205,8 +211,10 @@ class LlamaCppCache:
         self.length = [self.length[b] for b in chosen]
         self.pending = [self.pending[b] for b in chosen]
 
-    def decode(self, items: list[_Input], vocab_size: int) -> dict[tuple[int, int], torch.Tensor]:
-        """One llama_decode of these inputs -> logits [vocab] of those that asked, by (row, column)."""
+    def decode(self, items: list[_Input], vocab_size: int,
+               hidden_size: int = 0) -> dict[tuple[int, int], tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """One llama_decode of these inputs -> (logits [vocab], with hidden_size the final hidden
+        state [hidden] too) of those that asked, by (row, column)."""
         lib, batch = self.lib, self.batch
         asked = {}
         for j, item in enumerate(items):
@@ -222,8 +230,8 @@ class LlamaCppCache:
         if rc != 0:
             why = "a row outgrew its context" if rc == 1 else f"llama_decode returned {rc}"
             raise InvalidRequest(f"llama.cpp: {why} ({_why()})")
-        return {key: torch.from_numpy(np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, j),
-                                                            shape=(vocab_size,)).copy())
+        return {key: (_floats(lib.llama_get_logits_ith(self.ctx, j), vocab_size),
+                      _floats(lib.llama_get_embeddings_ith(self.ctx, j), hidden_size) if hidden_size else None)
                 for j, key in asked.items()}
 
 
@@ -232,7 +240,7 @@ class LlamaCppLM:
     `--threads` means the same on every backend); context: tokens per row of a cache (default:
     the model's training context, at most 4096: each row's KV stream is allocated whole)."""
 
-    returns_hidden = False  # see want_hidden in forward
+    returns_hidden = True  # forward(want_hidden=True): the final hidden state where logits are asked
     runs_trees = False  # causal chains only: see the module docstring
     stacks_caches = False  # a cache is a llama.cpp context: sessions' caches are verified in turn
 
@@ -249,6 +257,7 @@ class LlamaCppLM:
             raise ModelLoadError(f"llama.cpp could not load {self.path}: {_why()}")
         vocab = lib.llama_model_get_vocab(self.model_handle)
         self.vocab_size = int(lib.llama_vocab_n_tokens(vocab))
+        self.hidden_size = int(lib.llama_model_n_embd(self.model_handle))
         self.max_positions = int(context or min(lib.llama_model_n_ctx_train(self.model_handle), 4096))
         self.threads = int(threads or torch.get_num_threads())
         self.n_batch = n_batch
@@ -283,7 +292,7 @@ class LlamaCppLM:
 
             reader = gguf.GGUFReader(str(self.path))
             found = {t.name: t for t in reader.tensors if t.name in ("token_embd.weight", "output.weight")}
-            tables = {name: torch.from_numpy(np.ascontiguousarray(
+            tables = {name: torch.from_numpy(np.array(
                 gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(self.vocab_size, -1))
                 for name, t in found.items()}
             inputs = tables["token_embd.weight"]
@@ -317,10 +326,9 @@ class LlamaCppLM:
                 logits_at: Optional[torch.Tensor] = None, want_hidden: bool = False) -> ForwardOutput:
         """As CausalLM.forward: input_ids [batch, q]; block_mask [batch, q, q] (causal chains only
         here, see the module docstring); depth [batch, q]; input_valid [batch, q] (padding is not
-        fed); logits_at [m]: the only columns whose logits are returned."""
-        if want_hidden:
-            raise InvalidRequest(f"the llama.cpp backend returns no hidden states ({self.name}): "
-                                 "use backend fast or hf for Medusa heads")
+        fed); logits_at [m]: the only columns whose logits are returned. want_hidden: also the
+        final hidden state [batch, q, hidden] (after the output norm, as transformers' last
+        hidden_states), filled at the columns whose logits are computed (zeros elsewhere)."""
         batch, q = input_ids.shape
         if batch != cache.batch_size:
             raise ValueError(f"input rows {batch} != cache rows {cache.batch_size}")
@@ -334,18 +342,24 @@ class LlamaCppLM:
             items += [_Input(b, i, int(input_ids[b, i]), cache.length[b] + n, i in want) for n, i in enumerate(fed)]
             cache.pending[b] = fed
         logits = torch.zeros(batch, len(cols), self.vocab_size)
+        hidden = torch.zeros(batch, q, self.hidden_size) if want_hidden else None
         at = {c: j for j, c in enumerate(cols)}
         for b in range(batch):  # one row per llama_decode: see the module docstring
             row = [item for item in items if item.row == b]
             for start in range(0, len(row), self.n_batch):
-                for (_, i), values in cache.decode(row[start : start + self.n_batch], self.vocab_size).items():
+                got = cache.decode(row[start : start + self.n_batch], self.vocab_size,
+                                   self.hidden_size if want_hidden else 0)
+                for (_, i), (values, state) in got.items():
                     logits[b, at[i]] = values
-        return ForwardOutput(logits=logits)
+                    if hidden is not None:
+                        hidden[b, i] = state
+        return ForwardOutput(logits=logits, hidden=hidden)
 
     @torch.inference_mode()
     def prefill(self, cache: LlamaCppCache, prompts: Sequence[Sequence[int]],
                 want_hidden: bool = False) -> ForwardOutput:
-        """Feed prompts of different lengths; logits [batch, vocab] at each row's last token."""
+        """Feed prompts of different lengths; logits [batch, vocab] (and hidden [batch, hidden]) at
+        each row's last token."""
         lens = torch.tensor([len(p) for p in prompts])
         width = int(lens.max())
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -356,7 +370,13 @@ class LlamaCppLM:
         cols, inverse = torch.unique(last, return_inverse=True)
         out = self.forward(cache, ids, input_valid=valid, logits_at=cols, want_hidden=want_hidden)
         cache.settle()
-        return ForwardOutput(logits=out.logits[torch.arange(len(prompts)), inverse])
+        rows = torch.arange(len(prompts))
+        return ForwardOutput(logits=out.logits[rows, inverse], hidden=out.hidden[rows, last] if want_hidden else None)
+
+
+def _floats(pointer, n: int) -> torch.Tensor:
+    """A copy of n floats llama.cpp returned (its buffers are reused by the next decode)."""
+    return torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(n,)).copy())
 
 
 def gguf_identity(path: Path) -> dict:

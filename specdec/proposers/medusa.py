@@ -33,7 +33,8 @@ from specdec.errors import InvalidRequest, ModelLoadError
 from specdec.lm import CausalLM
 from specdec.medusa_heads import MedusaHeads, load_heads, shipped_heads_dir
 from specdec.proposers.base import Proposer, ProposerEnv, ProposerFactory, register
-from specdec.tree import CompiledTree, best_tree_for_cost, chain_tree, compile_tree, greedy_tree
+from specdec.tree import (CompiledTree, best_tree_for_cost, chain_tree, compile_tree, expected_accept_length,
+                          greedy_tree)
 from specdec.types import Proposal, ProposeContext
 
 AUTO_MAX_NODES = 64  # the automatic tree's size is chosen in 1..AUTO_MAX_NODES
@@ -44,6 +45,8 @@ def resolve_tree(spec, heads: MedusaHeads, target: Optional[CausalLM] = None,
     """A tree setting (see the module docstring) -> list of paths for these heads. "auto" uses
     the verify cost of `target` when given (from `costs`; default: measured in this process)."""
     cfg = heads.config
+    if target is not None and not getattr(target, "runs_trees", True):
+        return _chain_for(spec, heads, target, costs)
     if spec is None or spec == "auto":
         if cfg.accuracy and target is not None:
             curve = (costs or CostStore()).verify_cost(target)
@@ -82,17 +85,36 @@ def resolve_tree(spec, heads: MedusaHeads, target: Optional[CausalLM] = None,
     return paths
 
 
+def _chain_for(spec, heads: MedusaHeads, target: CausalLM, costs: Optional[CostStore]) -> list[tuple[int, ...]]:
+    """The tree on a target that runs causal chains only (llama.cpp): "auto" -> the chain of top
+    candidates whose depth maximizes (1 + expected accepted) / v(depth + 1) (depth 0: plain
+    steps), "chain" -> as deep as the heads go; anything branching is refused."""
+    cfg = heads.config
+    if spec is None or spec == "auto":
+        if not cfg.accuracy:
+            return chain_tree(cfg.num_heads)
+        curve = (costs or CostStore()).verify_cost(target)
+        depth = max(range(cfg.num_heads + 1), key=lambda d: ((1.0 + expected_accept_length(chain_tree(d), cfg.accuracy))
+                                                            / verify_cost_at(curve, d + 1), -d))
+        return chain_tree(depth)
+    if isinstance(spec, str) and spec.strip() == "chain":
+        return chain_tree(cfg.num_heads)
+    raise InvalidRequest(f"{target.name} runs on a backend that verifies causal chains only (llama.cpp): "
+                         "use --tree auto or chain, or backend fast or hf for tree-shaped Medusa")
+
+
 class MedusaProposer(Proposer):
     name = "medusa"
     needs_hidden = True
 
     def __init__(self, target: CausalLM, heads: MedusaHeads, tree=None, costs: Optional[CostStore] = None):
         self.heads = heads.eval()
-        weight = target.model.get_output_embeddings().weight.detach()  # [vocab, hidden]
+        weight = target.embedding_tables()[1].detach()  # [vocab, hidden]
         self.vocab_ids = heads.vocab_ids  # [subset] or None
         # [subset or vocab, hidden]: the output rows the heads may draft, gathered once.
         self.weight = weight[self.vocab_ids] if self.vocab_ids is not None else weight
-        self.bias = getattr(target.model.get_output_embeddings(), "bias", None)
+        module = getattr(target, "model", None)  # a transformers model (the llama.cpp backend has no bias)
+        self.bias = getattr(module.get_output_embeddings(), "bias", None) if module is not None else None
         if self.bias is not None and self.vocab_ids is not None:
             self.bias = self.bias[self.vocab_ids]
         try:
@@ -139,7 +161,7 @@ def heads_for_target(target_name: str, heads_dir: Optional[str], lm: CausalLM) -
     """Load heads from heads_dir, or the ones shipped for the target; refuse a mismatch."""
     if not lm.returns_hidden:
         raise InvalidRequest(f"Medusa heads read the target's hidden states, which {type(lm).__name__} does not "
-                             "return: run the target on backend fast or hf")
+                             "return")
     path = Path(heads_dir) if heads_dir else shipped_heads_dir(target_name)
     if path is None:
         raise ModelLoadError(f"no Medusa heads ship for target {target_name!r}: train some with "
@@ -147,7 +169,7 @@ def heads_for_target(target_name: str, heads_dir: Optional[str], lm: CausalLM) -
     return load_heads(path, lm)
 
 
-@register("medusa", trees=True)
+@register("medusa")
 def _load(env: ProposerEnv) -> ProposerFactory:
     """Heads from env.config.medusa_heads or the shipped ones, loaded once (loading gathers the
     draftable output rows). The proposer keeps no state between steps (observe learns nothing),

@@ -49,7 +49,23 @@ def test_every_method_on_llamacpp_equals_its_plain_decoding(engine, cpp_prompts,
         assert sum(g.stats.accepted for g in got) > 0, "nothing was accepted: rollback paths were not exercised"
 
 
-@pytest.mark.parametrize("method", ["medusa", "lookahead"])
-def test_tree_methods_on_llamacpp_are_refused_with_a_clear_message(engine, cpp_prompts, method):
-    with pytest.raises(InvalidRequest, match=f"method {method} verifies tree blocks.*use backend fast or hf"):
-        engine.generate_ids(cpp_prompts[:1], method, stop=StopConditions(max_new_tokens=8))
+def test_lookahead_on_llamacpp_is_refused_with_a_clear_message(engine, cpp_prompts):
+    with pytest.raises(InvalidRequest, match="method lookahead verifies tree blocks.*use backend fast or hf"):
+        engine.generate_ids(cpp_prompts[:1], "lookahead", stop=StopConditions(max_new_tokens=8))
+
+
+def test_the_shipped_medusa_heads_run_on_llamacpp_as_a_chain_and_equal_its_plain(engine, cpp_prompts, cpp_plain):
+    """The heads read the final hidden state llama.cpp returns with the logits; the GGUF's output
+    layer is the one they were trained on (same fingerprint)."""
+    stop = StopConditions(max_new_tokens=32)
+    got = engine.generate_ids(cpp_prompts, "medusa", stop=stop, k=4)
+    for p, g, w in zip(cpp_prompts, got, cpp_plain):
+        assert_greedy_equal(engine.target.lm, p, g.token_ids, w.token_ids, LLAMACPP_TIE)
+    proposer = engine.proposer_factory("medusa")()
+    assert all(set(path) == {0} for path in proposer.tree.paths)  # a chain (or no draft at all: plain steps)
+    chain = Engine.from_models(engine.target, config=EngineConfig(backend="llamacpp", medusa_tree="chain"),
+                               costs=engine.costs)
+    got = chain.generate_ids(cpp_prompts, "medusa", stop=stop, k=4)
+    for p, g, w in zip(cpp_prompts, got, cpp_plain):
+        assert_greedy_equal(engine.target.lm, p, g.token_ids, w.token_ids, LLAMACPP_TIE)
+    assert sum(g.stats.accepted for g in got) > 0, "no head candidate accepted: the test checks nothing"

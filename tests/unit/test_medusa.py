@@ -221,3 +221,56 @@ def test_eval_counts_head_hits_against_the_greedy_answer(tiny_target, tiny_heads
     hits, counted = head_top1(tiny_target, tiny_heads, prompt, answer)
     assert counted == [len(answer) - 1 - i for i in range(4)]  # head i has a label for all but the last i + 1 rows
     assert all(0 <= h <= c for h, c in zip(hits, counted)) and sum(hits) > 0
+
+
+@pytest.fixture(scope="module")
+def gguf_tiny(tiny_target, tmp_path_factory):
+    from specdec.llamacpp import LlamaCppLM
+    from specdec.llamacpp.convert import write_llama_gguf
+
+    return LlamaCppLM(write_llama_gguf(tiny_target.model, tmp_path_factory.mktemp("gguf") / "tiny.gguf"), threads=1)
+
+
+def test_the_llamacpp_backend_returns_the_final_hidden_state_with_the_logits(tiny_target, gguf_tiny):
+    ids = torch.tensor([_random_prompts(1, seed=3)[0]])
+    want = tiny_target.forward(tiny_target.new_cache(1), ids, want_hidden=True).hidden
+    got = gguf_tiny.forward(gguf_tiny.new_cache(1), ids, want_hidden=True).hidden
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
+    cache = gguf_tiny.new_cache(2)
+    prompts = _random_prompts(2, seed=4)
+    out = gguf_tiny.prefill(cache, prompts)
+    hidden = gguf_tiny.prefill(gguf_tiny.new_cache(2), prompts, want_hidden=True).hidden  # [2, hidden] at each last token
+    for b, p in enumerate(prompts):
+        one = tiny_target.forward(tiny_target.new_cache(1), torch.tensor([p]), want_hidden=True).hidden[0, -1]
+        torch.testing.assert_close(hidden[b], one, atol=2e-3, rtol=1e-3)
+    assert out.hidden is None
+
+
+@pytest.mark.parametrize("tree", ["chain", "auto"])
+def test_medusa_on_llamacpp_runs_a_chain_and_equals_its_plain_decoding(gguf_tiny, tiny_heads_dir, tree):
+    heads = load_heads(tiny_heads_dir, gguf_tiny)  # the GGUF's output layer is the target's: accepted
+    prompts = _random_prompts(3, seed=7)
+    stop = StopConditions(max_new_tokens=32)
+    want = [r.token_ids for r in plain_generate(gguf_tiny, prompts, stop=stop)]
+    proposer = MedusaProposer(gguf_tiny, heads, tree, costs=CostStoreAt({1: 1.0, 2: 1.0, 3: 1.0, 5: 1.0}))
+    assert all(len(p) == i + 1 and set(p) == {0} for i, p in enumerate(proposer.tree.paths)) and proposer.tree.paths
+    got = speculative_generate(gguf_tiny, proposer, prompts, stop=stop, k=4)
+    for p, g, w in zip(prompts, got, want):
+        assert_greedy_equal(gguf_tiny, p, g.token_ids, w)
+    assert sum(g.stats.accepted for g in got) > 0
+
+
+def test_a_branching_medusa_tree_on_llamacpp_is_refused_with_what_to_use(gguf_tiny, tiny_heads_dir):
+    heads = load_heads(tiny_heads_dir, gguf_tiny)
+    with pytest.raises(InvalidRequest, match="causal chains only.*--tree auto or chain"):
+        MedusaProposer(gguf_tiny, heads, NARROW)
+
+
+class CostStoreAt:
+    """Costs with a given verify curve (the chain depth rule is tested, not this machine)."""
+
+    def __init__(self, curve):
+        self.curve = curve
+
+    def verify_cost(self, lm):
+        return dict(self.curve)
