@@ -21,7 +21,7 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=None, help="draft model directory (default: the draft shipped for the embedded target)")
     p.add_argument("--target-backend", default="auto", choices=["auto", "hf", "fast", "llamacpp"],
                    help="how the target service runs its model (its --backend; llamacpp: the GGUF on llama.cpp, "
-                        "target-side fallback plain); the draft service keeps its draft on torch")
+                        "no Lookahead, Medusa as a chain); the draft service keeps its draft on torch")
     p.add_argument("--pipeline", action="store_true", help="draft the next block while the target verifies")
     p.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoints (9451, 9461, 9462)")
     p.add_argument("--log-dir", default=None, help="write each service's log here (default: this terminal)")
