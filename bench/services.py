@@ -326,6 +326,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     ap.add_argument("--backend", default="auto", choices=["auto", "hf", "fast"],
                     help="how every process runs its model (the services' --backend; default auto)")
+    ap.add_argument("--service-flags", default="",
+                    help="extra flags for the draft and target services, e.g. '--batch-window-ms 2'")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved repetitions; the median is reported")
     ap.add_argument("--json", default=None, help="also write every run's numbers here")
     ap.add_argument("--log-dir", default="runs/bench-services")
@@ -360,7 +362,8 @@ def main() -> int:
     procs = Procs()
     ports = {name: free_port() for name in ("draft", "target", "target_slow", "c_plain", "c_pipe", "c_slow",
                                              "c_slow_pipe")}
-    model_flags = (["--threads", str(args.threads)] if args.threads else []) + ["--backend", args.backend]
+    model_flags = ((["--threads", str(args.threads)] if args.threads else []) + ["--backend", args.backend]
+                   + args.service_flags.split())
     runs: dict[str, list[dict]] = {}
     try:
         slow = str(Path(__file__).with_name("slow_service.py"))
