@@ -143,14 +143,14 @@ class ServiceClient:
 
     def __init__(self, address: str, deadlines: Deadlines = Deadlines(), retries: int = 2,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: Optional[ClientTLS] = None,
-                 token: Optional[str] = None):
+                 token: Optional[str] = None, step_streams: bool = True):
         self.address = address
         self.deadlines = deadlines
         self.retries = retries
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.channel = secure_channel(address, channel_options(max_message_bytes) + KEEPALIVE_OPTIONS, tls)
         self._health = health_pb2_grpc.HealthStub(self.channel)
-        self.step_streams = True  # False once the replica answered UNIMPLEMENTED to a step stream
+        self.step_streams = step_streams  # False: unary step calls (also once the replica answered UNIMPLEMENTED)
         self._streams: OrderedDict[str, StepStream] = OrderedDict()
 
     async def _call(self, method, request, timeout: float, retries: Optional[int] = None):

@@ -5,7 +5,7 @@ streams, and no stream keeps a stopping server waiting."""
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import time
 
 import grpc
@@ -13,17 +13,24 @@ import pytest
 
 from draft_service.servicer import start_draft_server
 from specdec.errors import NotFound, Unavailable
+from specdec.decode import plain_generate
 from specdec.rpc.clients import DraftClient, TargetClient
 from specdec.rpc.serving import ServerSettings
 from specdec.rpc.v1 import target_pb2_grpc
-from specdec.types import DraftKind, SamplingParams
+from specdec.types import DraftKind, SamplingParams, StopConditions
 from target_service.core import TargetCore
 from target_service.servicer import TargetServicer, start_target_server
-from tests.services.stack import local_stack, run
+from tests.conftest import assert_greedy_equal
+from tests.services.stack import FAST, local_stack, run
 
 PROMPT = [5, 6, 7, 8, 9]
 GREEDY = SamplingParams()
 SID = "session-1"
+
+
+def _plain(lm, prompt, n):
+    stop = StopConditions(max_new_tokens=n, eos_token_ids=lm.eos_token_ids)
+    return plain_generate(lm, [prompt], stop=stop)[0].token_ids
 
 
 def _count_opens(stub, name: str) -> list[int]:
@@ -170,3 +177,19 @@ def test_streams_beyond_the_limit_close_the_least_recently_used(tiny_target):
     kept, again = run(scenario())
     assert kept == ["session-1", "session-2"]
     assert len(again.emitted) >= 1, "a session whose stream was closed opens a new one"
+
+
+def test_without_step_streams_the_coordinator_makes_a_unary_call_per_step(redis_url, tiny_target, tiny_draft):
+    async def scenario():
+        async with local_stack(redis_url, tiny_target, tiny_draft,
+                               settings=dataclasses.replace(FAST, step_streams=False)) as st:
+            streamed = await st.client.generate(st.client.request(token_ids=PROMPT, max_tokens=24, method="draft"))
+            [target] = st.core.target_pool.replicas.values()
+            opens = _count_opens(target.client.stub, "VerifyStream")
+            out = await st.client.generate(st.client.request(token_ids=PROMPT[1:], max_tokens=24, method="draft"))
+            return streamed, out, opens[0]
+
+    first, out, opens = run(scenario())
+    assert opens == 0
+    assert out.stats["target_forwards"] >= 3
+    assert_greedy_equal(tiny_target, PROMPT[1:], out.token_ids, _plain(tiny_target, PROMPT[1:], 24))
