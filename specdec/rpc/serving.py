@@ -109,12 +109,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         """`<name>Stream`: each request answered by the unary handler `name`, in order."""
         inner = unary.unary_unary
         accounted = self._accounted(name, name)
-
         draining = self.draining
 
         async def steps(request_iterator, context):
             requests = request_iterator.__aiter__()
             stop = asyncio.ensure_future(draining.wait())
+            nxt: Optional[asyncio.Future] = None
             try:
                 while True:
                     nxt = asyncio.ensure_future(requests.__anext__())
@@ -129,8 +129,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     async with accounted(context):  # an error aborts the stream with the call's status
                         reply = await inner(request, context)
                     yield reply
-            finally:
+            finally:  # the client left, or the stream ended: no read left waiting
                 stop.cancel()
+                if nxt is not None and not nxt.done():
+                    nxt.cancel()
 
         return grpc.stream_stream_rpc_method_handler(steps, request_deserializer=unary.request_deserializer,
                                                      response_serializer=unary.response_serializer)
