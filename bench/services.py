@@ -8,16 +8,18 @@ Measures, greedy, on dev prompts (one per category, chat template, first turn):
 1. in-process plain_generate and speculative_generate (target + the draft service's default draft);
 2. the same prompts through the services: redis-server + target + draft + coordinator, each its
    own process on loopback, one session at a time;
-3. 8 concurrent sessions (aggregate tokens/s) vs one at a time;
+3. 8 concurrent sessions (aggregate tokens/s) vs one at a time, and vs in process with the same
+   8 prompts as the rows of one speculative_generate batch;
 4. pipelining on vs off, without and with an artificial delay on every target step (a stand-in
    for a busy GPU or a network hop: the target's model sleeps, using no CPU; bench/slow_service.py);
 5. the same coordinator streamed through gRPC and through its OpenAI-compatible HTTP API (SSE):
    tokens/s and time to first token side by side (`--api-only`: just 5, and in-process plain).
 Every run is checked token for token against plain decoding. Numbers are tokens/s of generated
 tokens, wall clock, including prompt processing. The per-step overhead of the services is their
-wall time per target step minus in-process speculative decoding's, at 1 and N sessions.
+wall time per target step minus in-process speculative decoding's: at 1 session against one
+prompt at a time, at N sessions (aggregate wall per session step) against N rows batched.
 
-`--profile` runs only in-process speculative, services and services N concurrent (interleaved)
+`--profile` runs only in-process speculative (1 and N batched), services and services N concurrent (interleaved)
 and prints where a target step's time goes through the services: the coordinator's step phases
 (Propose and Verify as its client sees them, the Redis commit, waking the streams, the rest of
 the loop; detokenizing), each service's handler time and model-thread time per call (the
@@ -83,20 +85,21 @@ class Timed:
         return timed
 
 
-def in_process_run(target, draft, prompts, n, k, method):
+def in_process_run(target, draft, prompts, n, k, method, batched=False):
+    """One prompt at a time, or (batched) all prompts as the rows of one speculative_generate:
+    in process, concurrent sessions are rows of one batch, the services' equivalent of N sessions."""
     from specdec.decode import plain_generate, speculative_generate
     from specdec.proposers import DraftModelProposer
     from specdec.types import StopConditions
 
     stop = StopConditions(max_new_tokens=n, eos_token_ids=target.eos_token_ids)
     t0, results, spans = time.perf_counter(), [], {}
-    for p in prompts:
+    for p in ([prompts] if batched else [[p] for p in prompts]):
         if method == "plain":
-            results.append(plain_generate(target, [p], stop=stop)[0])
+            results += plain_generate(target, p, stop=stop)
         else:
             proposer = Timed(DraftModelProposer(draft), spans, "propose")
-            results.append(speculative_generate(Timed(target, spans, "prefill", "forward"), proposer, [p], stop=stop,
-                                                k=k)[0])
+            results += speculative_generate(Timed(target, spans, "prefill", "forward"), proposer, p, stop=stop, k=k)
     el = time.perf_counter() - t0
     toks = sum(len(r.token_ids) for r in results)
     return dict(tokens=toks, seconds=el, tok_s=toks / el, outputs=[list(r.token_ids) for r in results], spans=spans,
@@ -267,10 +270,13 @@ class Profiler:
         return out
 
 
-def print_profile(results: dict, spec: dict, concurrency: int) -> None:
-    """The per-target-step timeline of the services runs against in-process speculative decoding."""
+def print_profile(results: dict, spec: dict, batched: dict, concurrency: int) -> None:
+    """The per-target-step timeline of the services runs against in-process speculative decoding
+    (one session: one prompt at a time; N sessions: N rows of one batch)."""
     base = 1000 * spec["seconds"] / max(1, spec["target_forwards"])
-    print(f"\n## per target step (ms), in-process speculative: {base:.1f} ms per step, tau {spec['tau']:.2f}")
+    base_n = 1000 * batched["seconds"] / max(1, batched["target_forwards"])
+    print(f"\n## per target step (ms), in-process speculative: {base:.1f} ms per step, tau {spec['tau']:.2f}; "
+          f"{concurrency} rows batched: {base_n:.1f} ms per row step (aggregate)")
     cols = [n for n in results if "profile" in results[n]]
     print("| | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
@@ -285,7 +291,8 @@ def print_profile(results: dict, spec: dict, concurrency: int) -> None:
     print("in process: " + ", ".join(f"{name} {1000 * t / steps:.2f}" for name, t in spec["spans"].items())
           + f", rest {base - 1000 * sum(spec['spans'].values()) / steps:.2f} (ms per target step)")
     row("wall per target step (aggregate)", lambda p, n: f(p["wall"]))
-    row("overhead vs in process (wall per step x sessions - in process)", lambda p, n: f(p["wall"] * n - base))
+    row("overhead vs in process (wall per step - in process, as many rows batched)",
+        lambda p, n: f(p["wall"] - (base_n if n > 1 else base)))
     row("coordinator: Propose (client view)", lambda p, n: f(p["coord propose"]))
     row("  draft handler", lambda p, n: f(p["draft handler"]))
     row("  draft model thread (batches per step)", lambda p, n: f"{p['draft model']:.2f} ({p['draft batches']:.2f})")
@@ -326,6 +333,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     ap.add_argument("--backend", default="auto", choices=["auto", "hf", "fast"],
                     help="how every process runs its model (the services' --backend; default auto)")
+    ap.add_argument("--service-flags", default="",
+                    help="extra flags for the draft and target services, e.g. '--batch-window-ms 2'")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved repetitions; the median is reported")
     ap.add_argument("--json", default=None, help="also write every run's numbers here")
     ap.add_argument("--log-dir", default="runs/bench-services")
@@ -360,7 +369,8 @@ def main() -> int:
     procs = Procs()
     ports = {name: free_port() for name in ("draft", "target", "target_slow", "c_plain", "c_pipe", "c_slow",
                                              "c_slow_pipe")}
-    model_flags = (["--threads", str(args.threads)] if args.threads else []) + ["--backend", args.backend]
+    model_flags = ((["--threads", str(args.threads)] if args.threads else []) + ["--backend", args.backend]
+                   + args.service_flags.split())
     runs: dict[str, list[dict]] = {}
     try:
         slow = str(Path(__file__).with_name("slow_service.py"))
@@ -422,6 +432,8 @@ def main() -> int:
         configs = {
             "in-process plain": lambda: in_process_run(loaded.lm, draft, prompts, n, k, "plain"),
             "in-process speculative": lambda: in_process_run(loaded.lm, draft, prompts, n, k, "speculative"),
+            f"in-process speculative, {args.concurrency} batched": lambda: in_process_run(
+                loaded.lm, draft, many, n, k, "speculative", batched=True),
             "services": lambda: asyncio.run(through(addr("c_plain"), prompts, n, k)),
             f"services, {args.concurrency} concurrent": lambda: asyncio.run(through(addr("c_plain"), many, n, k,
                                                                                     True)),
@@ -437,7 +449,8 @@ def main() -> int:
             pids = {"draft": started["draft"].pid, "target": started["target"].pid, "redis": redis.proc.pid,
                     "bench client": os.getpid(), **{c: started[c].pid for c in coords}}
             prof = Profiler(mports, pids)
-            configs = {"in-process speculative": configs["in-process speculative"]}
+            batched = f"in-process speculative, {args.concurrency} batched"
+            configs = {"in-process speculative": configs["in-process speculative"], batched: configs[batched]}
             for label, c in [("", "c_plain"), *((f" [{v}]", c) for v, c in vnames.items())]:
                 configs[f"services{label}"] = lambda c=c: prof.measure(
                     lambda: asyncio.run(through(addr(c), prompts, n, k)), c)
@@ -477,14 +490,21 @@ def main() -> int:
     conc_name = f"services, {args.concurrency} concurrent"
     conc = results[conc_name]["tok_s"]
     per_step = lambda r: 1000 * r["seconds"] / max(1, r["target_forwards"])  # noqa: E731
-    base = per_step(spec)
-    print(f"\nper-step overhead (services minus in process, ms per target step): 1 session "
-          f"{per_step(results['services']) - base:+.1f} ({per_step(results['services']):.1f} vs {base:.1f}); "
-          f"{args.concurrency} sessions {per_step(results[conc_name]) * args.concurrency - base:+.1f} per session step")
+    base, one = per_step(spec), per_step(results["services"])
+    batched = results[f"in-process speculative, {args.concurrency} batched"]
+    base_n, many_n = per_step(batched), per_step(results[conc_name])
+    # What a step through the services adds to the same step in process: at 1 session, wall per
+    # target step; at N sessions, wall per session step of the aggregate (N concurrent sessions
+    # against N rows of one in-process batch, so the sharing of the model is in both).
+    print(f"\nper-step overhead (services minus in process, ms): 1 session {one - base:+.1f} per target step "
+          f"({one:.1f} vs {base:.1f}); {args.concurrency} sessions {many_n - base_n:+.1f} per session step "
+          f"({many_n:.1f} vs {base_n:.1f} in process as one batch of {args.concurrency})")
+    print(f"{args.concurrency} concurrent sessions through services / in process as one batch: "
+          f"{conc / batched['tok_s']:.2f}x")
     print(f"through services / in-process speculative: {single / spec['tok_s']:.2f}x")
     print(f"{args.concurrency} concurrent sessions / one at a time: {conc / single:.2f}x")
     if args.profile:
-        print_profile(results, spec, args.concurrency)
+        print_profile(results, spec, batched, args.concurrency)
     else:
         print_pipelining(results, single, args.delay_ms)
     if args.json:

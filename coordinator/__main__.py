@@ -26,7 +26,7 @@ Security (README "Security"):
 --upstream-server-name N   the name their certificates carry (the coordinator dials pod IPs)
 --redis-username U --redis-password-file F   Redis ACL user / password (or in the URL)
 --redis-tls-ca F [--redis-tls-cert F --redis-tls-key F]   for a rediss:// URL with a private CA
-Also: --host, --port, --metrics-port (-1: off), --pipeline, --propose-deadline-s, --max-k,
+Also: --host, --port, --metrics-port (-1: off), --pipeline, --no-step-streams, --propose-deadline-s, --max-k,
 --target-wait-s, --reflection, --health-port, --max-message-bytes, --threads, --log-level.
 Serves grpc.health.v1 ("" and specdec.rpc.v1.Coordinator; no token needed), reflection when
 --reflection is given, and /metrics.
@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session-ttl", type=int, default=3600)
     p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=False,
                    help="draft the next block while the target verifies this one")
+    p.add_argument("--step-streams", action=argparse.BooleanOptionalAction, default=True,
+                   help="send a session's Propose and Verify calls on one long-lived stream per replica "
+                        "(default on; off: a unary call per step)")
     p.add_argument("--commit-behind", action=argparse.BooleanOptionalAction, default=True,
                    help="write a step's tokens to Redis while the next step runs (default on)")
     p.add_argument("--propose-deadline-s", type=float, default=5.0)
@@ -122,7 +125,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from coordinator.servicer import start_coordinator_server
 
     settings = CoordinatorSettings(session_ttl_s=args.session_ttl, pipeline=args.pipeline,
-                                   commit_behind=args.commit_behind,
+                                   commit_behind=args.commit_behind, step_streams=args.step_streams,
                                    propose_deadline_s=args.propose_deadline_s, max_k=args.max_k,
                                    target_wait_s=args.target_wait_s)
     static = args.discovery == "static"

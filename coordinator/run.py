@@ -184,6 +184,9 @@ class SessionRun:
             await self._pause()
         finally:
             self._drop_pending()
+            for pool in (coord.draft_pool, coord.target_pool):  # the session's step streams, wherever they are
+                for rep in pool.replicas.values():
+                    rep.client.end_session(self.session_id)
             coord.run_ended(self)
             async with self.changed:
                 self.changed.notify_all()

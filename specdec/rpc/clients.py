@@ -5,13 +5,20 @@ Retries are done here, not by gRPC's service-config retry policy, which was seen
 early with DEADLINE_EXCEEDED in some fresh processes. Propose, Verify and Decode are
 safe to repeat: every call carries the session's committed length and digest, and a service
 that already applied a call rolls back to that length before doing it again.
+
+Propose and Verify, a session's per-step calls, travel on one long-lived stream per session and
+replica (StepStream; the servers serve `ProposeStream` / `VerifyStream` as streams of the unary
+calls, see serving.py) instead of a unary call per step: the same messages, statuses, deadlines
+(per message) and retries, without a call's setup on every step. A replica that does not offer
+the stream (UNIMPLEMENTED: an older version) is called unary from then on.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional, Sequence
+from typing import AsyncIterator, Callable, Optional, Sequence
 
 import grpc
 import torch
@@ -77,19 +84,74 @@ KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_
                      ("grpc.keepalive_permit_without_calls", 0), ("grpc.http2.max_pings_without_data", 0)]
 
 
+class StreamEnded(Exception):
+    """The server ended a step stream between two calls (it is draining): the call was not made."""
+
+
+class StepStream:
+    """One session's step calls to one replica on a long-lived bidirectional stream: a request,
+    then its response, one at a time (concurrent callers take turns). Every request is complete
+    in itself, so a stream that fails in any way (an error status, a missed deadline, a caller
+    cancelled mid-call, a connection lost) is dropped and the next call opens a new one."""
+
+    def __init__(self, open_call: Callable[[], grpc.aio.StreamStreamCall]):
+        self._open = open_call
+        self._call: Optional[grpc.aio.StreamStreamCall] = None
+        self._lock = asyncio.Lock()
+        self.answered = 0  # calls answered on the current stream
+
+    async def ask(self, request, timeout: float):
+        """-> the response. Raises grpc.aio.AioRpcError (the status that ended the stream),
+        TimeoutError (no answer within `timeout`), or StreamEnded."""
+        async with self._lock:
+            if self._call is None:
+                self._call, self.answered = self._open(), 0
+            call, ok = self._call, False
+            try:
+                async with asyncio.timeout(timeout):
+                    await call.write(request)
+                    reply = await call.read()
+                if reply is grpc.aio.EOF:
+                    raise StreamEnded()
+                ok = True
+                self.answered += 1
+                return reply
+            except asyncio.InvalidStateError:  # written to a stream that had already ended
+                raise StreamEnded() from None
+            finally:
+                if not ok:
+                    self._call, self.answered = None, 0
+                    call.cancel()
+
+    @property
+    def busy(self) -> bool:
+        return self._lock.locked()
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+
 class ServiceClient:
     """`tls`: None for plaintext, else TLS (mutual when it holds a client certificate); `token`: a
     bearer token sent with every call (the coordinator's public API)."""
 
+    # Step streams kept open (one per session: each client class has one step method); beyond
+    # this the least recently used idle ones are closed (a session whose run ended closes its own).
+    max_streams = 1024
+
     def __init__(self, address: str, deadlines: Deadlines = Deadlines(), retries: int = 2,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: Optional[ClientTLS] = None,
-                 token: Optional[str] = None):
+                 token: Optional[str] = None, step_streams: bool = True):
         self.address = address
         self.deadlines = deadlines
         self.retries = retries
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.channel = secure_channel(address, channel_options(max_message_bytes) + KEEPALIVE_OPTIONS, tls)
         self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.step_streams = step_streams  # False: unary step calls (also once the replica answered UNIMPLEMENTED)
+        self._streams: OrderedDict[str, StepStream] = OrderedDict()
 
     async def _call(self, method, request, timeout: float, retries: Optional[int] = None):
         """Unary call with a deadline; UNAVAILABLE (connection refused, server draining) is retried."""
@@ -103,6 +165,50 @@ class ServiceClient:
                     continue
                 raise error_from(exc, self.address) from None
 
+    async def _step(self, session_id: str, stream_method, unary_method, request, timeout: float, retries: int):
+        """A session's step call on its stream (retried as _call retries; a stream that had
+        answered before and is found broken or ended is replaced at once, free of charge: the
+        replica restarted or drained between two steps)."""
+        if not self.step_streams:
+            return await self._call(unary_method, request, timeout, retries)
+        attempt = 0
+        while True:
+            stream = self._streams.get(session_id)
+            if stream is None:
+                stream = self._streams[session_id] = StepStream(lambda: stream_method(metadata=self.metadata))
+                for sid in [s for s, st in self._streams.items() if not st.busy][: len(self._streams) - self.max_streams]:
+                    self._streams.pop(sid).close()  # the least recently used idle ones
+            self._streams.move_to_end(session_id)
+            stale = stream.answered > 0
+            try:
+                return await stream.ask(request, timeout)
+            except StreamEnded:
+                if stale:
+                    continue
+                exc_code, details = grpc.StatusCode.UNAVAILABLE, "the replica ended the stream (draining)"
+            except TimeoutError:
+                raise DeadlineExceeded(f"{self.address}: no answer within {timeout:g} s") from None
+            except grpc.aio.AioRpcError as exc:
+                exc_code, details = exc.code(), None
+                if exc_code == grpc.StatusCode.UNIMPLEMENTED:
+                    self.step_streams = False
+                    return await self._call(unary_method, request, timeout, retries)
+                if stale and exc_code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    continue
+                if exc_code != grpc.StatusCode.UNAVAILABLE or attempt >= retries:
+                    raise error_from(exc, self.address) from None
+            if exc_code == grpc.StatusCode.UNAVAILABLE and attempt < retries:
+                await asyncio.sleep(0.05 * 2 ** attempt)
+                attempt += 1
+                continue
+            raise Unavailable(f"{self.address}: {details}")
+
+    def end_session(self, session_id: str) -> None:
+        """Close the session's step stream, if any (its run ended, or it left this replica)."""
+        stream = self._streams.pop(session_id, None)
+        if stream is not None:
+            stream.close()
+
     async def healthy(self, service: str = "") -> bool:
         try:
             reply = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
@@ -112,6 +218,9 @@ class ServiceClient:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
+        for stream in self._streams.values():
+            stream.close()
+        self._streams.clear()
         await self.channel.close()
 
 
@@ -139,7 +248,8 @@ class DraftClient(ServiceClient):
         req = draft_pb2.ProposeRequest(position=convert.position_to_pb(session_id, committed, known_len), k=k,
                                        sampling=convert.sampling_to_pb(sampling), with_guess=with_guess)
         # No retry: a Propose that misses its deadline opens the breaker instead.
-        reply = await self._call(self.stub.Propose, req, timeout or self.deadlines.propose, retries=0)
+        reply = await self._step(session_id, self.stub.ProposeStream, self.stub.Propose, req,
+                                 timeout or self.deadlines.propose, retries=0)
         probs = None
         if reply.HasField("draft_probs"):
             probs = convert.draft_probs_from_pb(reply.draft_probs, len(reply.token_ids),
@@ -149,6 +259,7 @@ class DraftClient(ServiceClient):
         return DraftBlock(tuple(reply.token_ids), probs, reply.guess if reply.HasField("guess") else None, kind)
 
     async def release(self, session_id: str) -> bool:
+        self.end_session(session_id)
         req = common_pb2.ReleaseRequest(session_id=session_id)
         return (await self._call(self.stub.Release, req, self.deadlines.release)).released
 
@@ -173,7 +284,8 @@ class TargetClient(ServiceClient):
                                        draft_kind=convert.draft_kind_to_pb(draft_kind))
         if draft_probs is not None:
             req.draft_probs.CopyFrom(convert.draft_probs_to_pb(draft_probs))
-        reply = await self._call(self.stub.Verify, req, self.deadlines.verify)
+        reply = await self._step(session_id, self.stub.VerifyStream, self.stub.Verify, req, self.deadlines.verify,
+                                 self.retries)
         return VerifyResult(tuple(reply.emitted_token_ids), reply.num_accepted, reply.num_drafted)
 
     async def decode(self, session_id: str, committed: Sequence[int], known_len: int, max_tokens: int,
@@ -186,6 +298,7 @@ class TargetClient(ServiceClient):
                             reply.num_accepted)
 
     async def release(self, session_id: str) -> bool:
+        self.end_session(session_id)
         req = common_pb2.ReleaseRequest(session_id=session_id)
         return (await self._call(self.stub.Release, req, self.deadlines.release)).released
 

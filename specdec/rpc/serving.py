@@ -7,6 +7,12 @@
   NotFound -> NOT_FOUND, Overloaded -> RESOURCE_EXHAUSTED, Unavailable -> UNAVAILABLE, ...;
   anything else is logged here and reaches the client as INTERNAL "internal error" (no
   exception class or text ever leaves the process); it also times every call;
+- step streams: a bidirectional method `<Name>Stream` whose requests and responses are those of
+  a unary method `<Name>` is served here, for every service, as a stream of `<Name>` calls: each
+  request is answered by the unary handler, in order, timed as a `<Name>` call; an error ends
+  the stream with the status the unary call would have had. Services implement only the unary
+  method. A long-lived stream per session saves the per-call setup of every step (HTTP/2
+  stream, headers, deadline, handler dispatch): see clients.StepStream;
 - graceful shutdown on SIGTERM / SIGINT: health goes NOT_SERVING, in-flight calls get a grace
   period, then the server stops;
 - settings from flags or a TOML file (`--config FILE`, keys = flag names with underscores;
@@ -64,36 +70,21 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, metrics: Optional[ServiceMetrics] = None):
         self.metrics = metrics
+        # Set when the server starts draining: step streams end between two calls (a stream lasts
+        # as long as its session, so a draining server would otherwise wait its whole grace period).
+        self.draining = asyncio.Event()
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
+        method = details.method.rsplit("/", 1)[-1]
+        if handler is not None and handler.stream_stream and method.endswith("Stream"):
+            # The same details under the unary method's name (grpc.aio accepts only its own type here).
+            unary = await continuation(type(details)(details.method[: -len("Stream")], details.invocation_metadata))
+            if unary is not None and unary.unary_unary:
+                return self._step_stream(unary, method[: -len("Stream")])
         if handler is None or not (handler.unary_unary or handler.unary_stream):
             return handler
-        method = details.method.rsplit("/", 1)[-1]
-        metrics = self.metrics
-
-        @contextlib.asynccontextmanager
-        async def accounted(context):
-            """Around one call: an exception becomes its status (never its text, unless it is
-            ours), and the call's latency is recorded under the status it ended with."""
-            t0, code = time.perf_counter(), "OK"
-            try:
-                yield
-            except grpc.aio.AbortError:
-                code = "ABORTED_BY_HANDLER"
-                raise
-            except asyncio.CancelledError:
-                code = "CANCELLED"
-                raise
-            except Exception as exc:  # noqa: BLE001 - the one place that turns errors into statuses
-                status, message = status_for(exc)
-                code = status.name
-                if status == grpc.StatusCode.INTERNAL:
-                    log.exception("%s failed", details.method)
-                await context.abort(status, message)
-            finally:
-                if metrics is not None:
-                    metrics.request_latency.labels(method=method, code=code).observe(time.perf_counter() - t0)
+        accounted = self._accounted(details.method, method)
 
         if handler.unary_unary:
             inner = handler.unary_unary
@@ -113,6 +104,66 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=handler.request_deserializer,
                                                     response_serializer=handler.response_serializer)
+
+    def _step_stream(self, unary: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHandler:
+        """`<name>Stream`: each request answered by the unary handler `name`, in order."""
+        inner = unary.unary_unary
+        accounted = self._accounted(name, name)
+        draining = self.draining
+
+        async def steps(request_iterator, context):
+            requests = request_iterator.__aiter__()
+            stop = asyncio.ensure_future(draining.wait())
+            nxt: Optional[asyncio.Future] = None
+            try:
+                while True:
+                    nxt = asyncio.ensure_future(requests.__anext__())
+                    await asyncio.wait((nxt, stop), return_when=asyncio.FIRST_COMPLETED)
+                    if not nxt.done():  # draining: end the stream; the client sends the call again elsewhere
+                        nxt.cancel()
+                        return
+                    try:
+                        request = nxt.result()
+                    except StopAsyncIteration:
+                        return
+                    async with accounted(context):  # an error aborts the stream with the call's status
+                        reply = await inner(request, context)
+                    yield reply
+            finally:  # the client left, or the stream ended: no read left waiting
+                stop.cancel()
+                if nxt is not None and not nxt.done():
+                    nxt.cancel()
+
+        return grpc.stream_stream_rpc_method_handler(steps, request_deserializer=unary.request_deserializer,
+                                                     response_serializer=unary.response_serializer)
+
+    def _accounted(self, full_method: str, method: str):
+        metrics = self.metrics
+
+        @contextlib.asynccontextmanager
+        async def accounted(context):
+            """Around one call: an exception becomes its status (never its text, unless it is
+            ours), and the call's latency is recorded under the status it ended with."""
+            t0, code = time.perf_counter(), "OK"
+            try:
+                yield
+            except grpc.aio.AbortError:
+                code = "ABORTED_BY_HANDLER"
+                raise
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            except Exception as exc:  # noqa: BLE001 - the one place that turns errors into statuses
+                status, message = status_for(exc)
+                code = status.name
+                if status == grpc.StatusCode.INTERNAL:
+                    log.exception("%s failed", full_method)
+                await context.abort(status, message)
+            finally:
+                if metrics is not None:
+                    metrics.request_latency.labels(method=method, code=code).observe(time.perf_counter() - t0)
+
+        return accounted
 
 
 @dataclass(frozen=True)
@@ -160,6 +211,7 @@ class RunningServer:
     health_server: Optional[grpc.aio.Server] = None
     health_port: Optional[int] = None
     on_stop: list[Callable[[], object]] = field(default_factory=list)
+    interceptor: Optional[ErrorInterceptor] = None
     stop_grace: float = 0.0  # the grace period of the stop in progress (for other servers stopped with this one)
     _stopped: bool = False
 
@@ -181,6 +233,8 @@ class RunningServer:
         self._stopped = True
         self.stop_grace = grace if grace is not None else 30.0
         await self.health.enter_graceful_shutdown()
+        if self.interceptor is not None:
+            self.interceptor.draining.set()
         await self.server.stop(grace)
         if self.health_server is not None:
             await self.health_server.stop(0)
@@ -205,7 +259,8 @@ async def start_server(settings: ServerSettings, add_servicers: Callable[[grpc.a
         options.append(("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000)))
     # Tokens are checked first: a refused call never reaches the handler (nor its metrics).
     interceptors = [TokenAuthInterceptor(TokenFile(settings.token_file))] if settings.token_file else []
-    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor(metrics)], options=options)
+    errors = ErrorInterceptor(metrics)
+    server = grpc.aio.server(interceptors=[*interceptors, errors], options=options)
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -217,7 +272,7 @@ async def start_server(settings: ServerSettings, add_servicers: Callable[[grpc.a
     if port == 0:
         raise Unavailable(f"cannot listen on {settings.host}:{settings.port}")
     await server.start()
-    running = RunningServer(server, port, health_servicer, tuple(service_names), metrics)
+    running = RunningServer(server, port, health_servicer, tuple(service_names), metrics, interceptor=errors)
     if settings.health_port is not None:
         running.health_server = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, running.health_server)

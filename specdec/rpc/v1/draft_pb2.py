@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.rpc.v1 import common_pb2 as specdec_dot_rpc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecdec/rpc/v1/draft.proto\x12\x0especdec.rpc.v1\x1a\x1bspecdec/rpc/v1/common.proto\"\x94\x01\n\x0eProposeRequest\x12\x31\n\x08position\x18\x01 \x01(\x0b\x32\x1f.specdec.rpc.v1.SessionPosition\x12\t\n\x01k\x18\x02 \x01(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.specdec.rpc.v1.SamplingParams\x12\x12\n\nwith_guess\x18\x04 \x01(\x08\"s\n\x0fProposeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12/\n\x0b\x64raft_probs\x18\x02 \x01(\x0b\x32\x1a.specdec.rpc.v1.DraftProbs\x12\x12\n\x05guess\x18\x03 \x01(\x05H\x00\x88\x01\x01\x42\x08\n\x06_guess2\xb2\x02\n\x0c\x44raftService\x12>\n\x04Info\x12\x1b.specdec.rpc.v1.InfoRequest\x1a\x19.specdec.rpc.v1.ModelInfo\x12J\n\x07Prefill\x12\x1e.specdec.rpc.v1.PrefillRequest\x1a\x1f.specdec.rpc.v1.PrefillResponse\x12J\n\x07Propose\x12\x1e.specdec.rpc.v1.ProposeRequest\x1a\x1f.specdec.rpc.v1.ProposeResponse\x12J\n\x07Release\x12\x1e.specdec.rpc.v1.ReleaseRequest\x1a\x1f.specdec.rpc.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecdec/rpc/v1/draft.proto\x12\x0especdec.rpc.v1\x1a\x1bspecdec/rpc/v1/common.proto\"\x94\x01\n\x0eProposeRequest\x12\x31\n\x08position\x18\x01 \x01(\x0b\x32\x1f.specdec.rpc.v1.SessionPosition\x12\t\n\x01k\x18\x02 \x01(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.specdec.rpc.v1.SamplingParams\x12\x12\n\nwith_guess\x18\x04 \x01(\x08\"s\n\x0fProposeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12/\n\x0b\x64raft_probs\x18\x02 \x01(\x0b\x32\x1a.specdec.rpc.v1.DraftProbs\x12\x12\n\x05guess\x18\x03 \x01(\x05H\x00\x88\x01\x01\x42\x08\n\x06_guess2\x88\x03\n\x0c\x44raftService\x12>\n\x04Info\x12\x1b.specdec.rpc.v1.InfoRequest\x1a\x19.specdec.rpc.v1.ModelInfo\x12J\n\x07Prefill\x12\x1e.specdec.rpc.v1.PrefillRequest\x1a\x1f.specdec.rpc.v1.PrefillResponse\x12J\n\x07Propose\x12\x1e.specdec.rpc.v1.ProposeRequest\x1a\x1f.specdec.rpc.v1.ProposeResponse\x12T\n\rProposeStream\x12\x1e.specdec.rpc.v1.ProposeRequest\x1a\x1f.specdec.rpc.v1.ProposeResponse(\x01\x30\x01\x12J\n\x07Release\x12\x1e.specdec.rpc.v1.ReleaseRequest\x1a\x1f.specdec.rpc.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,5 +37,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROPOSERESPONSE']._serialized_start=226
   _globals['_PROPOSERESPONSE']._serialized_end=341
   _globals['_DRAFTSERVICE']._serialized_start=344
-  _globals['_DRAFTSERVICE']._serialized_end=650
+  _globals['_DRAFTSERVICE']._serialized_end=736
 # @@protoc_insertion_point(module_scope)

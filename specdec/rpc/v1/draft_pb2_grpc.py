@@ -50,6 +50,11 @@ class DraftServiceStub:
                 request_serializer=specdec_dot_rpc_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specdec_dot_rpc_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeStream = channel.stream_stream(
+                '/specdec.rpc.v1.DraftService/ProposeStream',
+                request_serializer=specdec_dot_rpc_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
+                response_deserializer=specdec_dot_rpc_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.rpc.v1.DraftService/Release',
                 request_serializer=specdec_dot_rpc_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
@@ -78,6 +83,16 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposeStream(self, request_iterator, context):
+        """The same calls on one long-lived stream per session: each request is answered by one
+        response, in order, before the next is sent. Every request is complete in itself (it names
+        the session and its position), so a broken stream is simply opened again. An error ends the
+        stream with the status the unary call would have returned.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -99,6 +114,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
             ),
             'Propose': grpc.unary_unary_rpc_method_handler(
                     servicer.Propose,
+                    request_deserializer=specdec_dot_rpc_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
+                    response_serializer=specdec_dot_rpc_dot_v1_dot_draft__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeStream,
                     request_deserializer=specdec_dot_rpc_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
                     response_serializer=specdec_dot_rpc_dot_v1_dot_draft__pb2.ProposeResponse.SerializeToString,
             ),
@@ -187,6 +207,33 @@ class DraftService:
             request,
             target,
             '/specdec.rpc.v1.DraftService/Propose',
+            specdec_dot_rpc_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
+            specdec_dot_rpc_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.rpc.v1.DraftService/ProposeStream',
             specdec_dot_rpc_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
             specdec_dot_rpc_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
             options,

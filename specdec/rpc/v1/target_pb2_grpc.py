@@ -50,6 +50,11 @@ class TargetServiceStub:
                 request_serializer=specdec_dot_rpc_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specdec_dot_rpc_dot_v1_dot_target__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/specdec.rpc.v1.TargetService/VerifyStream',
+                request_serializer=specdec_dot_rpc_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=specdec_dot_rpc_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.Decode = channel.unary_unary(
                 '/specdec.rpc.v1.TargetService/Decode',
                 request_serializer=specdec_dot_rpc_dot_v1_dot_target__pb2.DecodeRequest.SerializeToString,
@@ -83,6 +88,14 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyStream(self, request_iterator, context):
+        """Verify on one long-lived stream per session (one response per request, in order; an error
+        ends the stream with the unary call's status): no per-call setup on every step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Decode(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -110,6 +123,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
             ),
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
+                    request_deserializer=specdec_dot_rpc_dot_v1_dot_target__pb2.VerifyRequest.FromString,
+                    response_serializer=specdec_dot_rpc_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
                     request_deserializer=specdec_dot_rpc_dot_v1_dot_target__pb2.VerifyRequest.FromString,
                     response_serializer=specdec_dot_rpc_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
             ),
@@ -203,6 +221,33 @@ class TargetService:
             request,
             target,
             '/specdec.rpc.v1.TargetService/Verify',
+            specdec_dot_rpc_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
+            specdec_dot_rpc_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.rpc.v1.TargetService/VerifyStream',
             specdec_dot_rpc_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
             specdec_dot_rpc_dot_v1_dot_target__pb2.VerifyResponse.FromString,
             options,
