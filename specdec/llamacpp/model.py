@@ -110,9 +110,6 @@ class _Contexts:
         params.n_ctx = lm.max_positions * n_seq
         params.n_batch = params.n_ubatch = lm.n_batch
         params.kv_unified = False
-        # The final hidden state (after the output norm) beside the logits of every position asked
-        # (Medusa heads read it): a copy of 576 floats where 49,152 logits are copied anyway.
-        params.embeddings = True
         params.n_threads = params.n_threads_batch = lm.threads
         params.no_perf = True
         ctx = lib.llama_init_from_model(lm.model_handle, params)
@@ -151,6 +148,8 @@ class LlamaCppCache:
         self.ctx, self.batch = self.contexts.take(self.n_seq)
         self.threads = lm.threads
         self.lib.llama_set_n_threads(self.ctx, lm.threads, lm.threads)  # a reused context may have had fewer
+        self.embeddings = False
+        self.lib.llama_set_embeddings(self.ctx, False)  # (a reused context may have had them on)
         self.mem = self.lib.llama_get_memory(self.ctx)
         self.seqs = list(range(batch_size))  # row -> its sequence id
         self.length = [0] * batch_size  # tokens kept per row (= the next input's position)
@@ -226,6 +225,12 @@ class LlamaCppCache:
             if item.logits:
                 asked[j] = (item.row, item.column)
         batch.n_tokens = len(items)
+        want_hidden = hidden_size > 0
+        if want_hidden != self.embeddings:
+            # The final hidden state (after the output norm) beside the logits (Medusa heads read it):
+            # switched on only while asked, since it makes a long prompt's prefill ~10% slower.
+            lib.llama_set_embeddings(self.ctx, want_hidden)
+            self.embeddings = want_hidden
         rc = lib.llama_decode(self.ctx, batch)
         if rc != 0:
             why = "a row outgrew its context" if rc == 1 else f"llama_decode returned {rc}"
