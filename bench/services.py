@@ -2,7 +2,7 @@
 
     nice -n 10 python bench/services.py [--prompts 4] [--max-new-tokens 48] [--k 4] [--delay-ms 50]
                                         [--target DIR] [--draft DIR] [--threads N] [--json OUT]
-                                        [--backend auto|hf|fast]
+                                        [--backend auto|hf|fast] [--target-backend llamacpp]
 
 Measures, greedy, on dev prompts (one per category, chat template, first turn):
 1. in-process plain_generate and speculative_generate (target + the draft service's default draft);
@@ -333,6 +333,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     ap.add_argument("--backend", default="auto", choices=["auto", "hf", "fast"],
                     help="how every process runs its model (the services' --backend; default auto)")
+    ap.add_argument("--target-backend", default=None, choices=["auto", "hf", "fast", "llamacpp"],
+                    help="the target's backend, in process and in its service (default: --backend; llamacpp: the "
+                         "GGUF on llama.cpp, the draft staying on torch)")
     ap.add_argument("--service-flags", default="",
                     help="extra flags for the draft and target services, e.g. '--batch-window-ms 2'")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved repetitions; the median is reported")
@@ -356,12 +359,14 @@ def main() -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.target, backend=args.backend)
+    target_backend = args.target_backend or args.backend
+    loaded = load_model(args.target, backend=target_backend)
     draft = load_draft(args.draft, backend=args.backend)
     prompts = load_prompts(loaded.tokenizer, args.prompts)
     n, k = args.max_new_tokens, args.k
     print(f"# {len(prompts)} prompts x {n} tokens, k={k}, {args.rounds} interleaved rounds, target {loaded.lm.name}, "
-          f"draft {draft.name}, draft delay {args.draft_delay_ms:g} ms, backend {args.backend}", flush=True)
+          f"draft {draft.name}, draft delay {args.draft_delay_ms:g} ms, backend {args.backend}, target backend "
+          f"{target_backend}", flush=True)
 
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
@@ -369,15 +374,16 @@ def main() -> int:
     procs = Procs()
     ports = {name: free_port() for name in ("draft", "target", "target_slow", "c_plain", "c_pipe", "c_slow",
                                              "c_slow_pipe")}
-    model_flags = ((["--threads", str(args.threads)] if args.threads else []) + ["--backend", args.backend]
-                   + args.service_flags.split())
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    model_flags = threads + ["--backend", args.backend] + args.service_flags.split()
     runs: dict[str, list[dict]] = {}
     try:
         slow = str(Path(__file__).with_name("slow_service.py"))
         draft_run = [slow, "draft", "--delay-ms", str(args.draft_delay_ms)] if args.draft_delay_ms else ["-m", "draft_service"]
         draft_argv = draft_run + ["--host", "127.0.0.1", "--port", str(ports["draft"])] + (
             ["--draft", args.draft] if args.draft else []) + model_flags
-        target_extra = (["--target", args.target] if args.target else []) + model_flags
+        target_extra = ((["--target", args.target] if args.target else []) + threads
+                        + ["--backend", target_backend] + args.service_flags.split())
         health = {"draft": "specdec.rpc.v1.DraftService", "target": "specdec.rpc.v1.TargetService",
                   "target_slow": "specdec.rpc.v1.TargetService"}
         variants = dict(v.split("=", 1) for v in args.variant) if args.profile else {}
