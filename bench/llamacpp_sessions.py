@@ -1,0 +1,53 @@
+"""Aggregate plain-decoding throughput of the target service's core (no wire) at 1 and 8
+concurrent sessions, on one backend and thread count: what the model thread gives concurrent
+sessions (on llama.cpp: sessions side by side, each on its own context: LlamaCppLM.run_each).
+
+    python bench/llamacpp_sessions.py [BACKEND] [THREADS]     # default: llamacpp 1
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import torch
+
+from specdec.models import format_prompt, load_model
+from specdec.sessions import token_digest
+from specdec.types import SamplingParams
+from target_service.core import Position, TargetCore, TargetSettings
+
+QUESTIONS = ["Write a story about a cat.", "Explain gravity.", "List ten fruits.", "What is Python?", "Describe Paris.",
+             "Write a poem about rain.", "How do planes fly?", "Name five rivers."]
+NEW_TOKENS = 48
+
+
+async def _session(core: TargetCore, i: int, prompt: list[int]) -> int:
+    sid = f"bench-{i}-{time.monotonic()}"
+    await core.prefill(sid, prompt)
+    out = await core.decode(sid, Position(len(prompt), (), token_digest(prompt)), NEW_TOKENS, "plain", SamplingParams())
+    core.release(sid)
+    return len(out["emitted"])
+
+
+async def _tokens_per_s(core: TargetCore, prompts: list[list[int]], n: int) -> float:
+    t0 = time.perf_counter()
+    done = await asyncio.gather(*(_session(core, i, prompts[i % len(prompts)]) for i in range(n)))
+    return sum(done) / (time.perf_counter() - t0)
+
+
+async def main(backend: str, threads: int) -> None:
+    torch.set_num_threads(threads)
+    loaded = load_model(None, backend=backend)
+    core = TargetCore(loaded.lm, TargetSettings(max_sessions=16), methods={})
+    prompts = [format_prompt(loaded.tokenizer, q) for q in QUESTIONS]
+    await _tokens_per_s(core, prompts, 1)  # warm-up
+    before, eight, after = [await _tokens_per_s(core, prompts, n) for n in (1, 8, 1)]
+    one = (before + after) / 2
+    print(f"{backend}, {threads} threads: 1 session {one:.1f} tok/s, 8 sessions {eight:.1f} tok/s aggregate: "
+          f"{eight / one:.2f}x")
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else "llamacpp", int(sys.argv[2]) if len(sys.argv) > 2 else 1))
