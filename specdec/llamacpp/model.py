@@ -247,7 +247,7 @@ class LlamaCppLM:
 
     returns_hidden = True  # forward(want_hidden=True): the final hidden state where logits are asked
     runs_trees = False  # causal chains only: see the module docstring
-    stacks_caches = False  # a cache is a llama.cpp context: sessions' caches are verified in turn
+    stacks_caches = False  # a cache is a llama.cpp context: sessions run side by side instead (run_each)
 
     def __init__(self, path: str | Path, name: Optional[str] = None, threads: Optional[int] = None,
                  context: Optional[int] = None, n_batch: int = 512):

@@ -8,5 +8,5 @@ from specdec.proposers.medusa import MedusaProposer
 from specdec.proposers.prompt_lookup import PromptLookupProposer
 
 __all__ = ["PLAIN", "PROPOSERS", "Proposer", "ProposerEnv", "ProposerFactory", "check_runs", "load_proposer",
-           "method_names", "needs_trees", "register", "DraftModelProposer", "DraftRows", "LookaheadConfig", "LookaheadProposer", "MedusaProposer",
-           "PromptLookupProposer"]
+           "method_names", "needs_trees", "register", "DraftModelProposer", "DraftRows", "LookaheadConfig",
+           "LookaheadProposer", "MedusaProposer", "PromptLookupProposer"]

@@ -58,13 +58,14 @@ class ProposerEnv:
 ProposerFactory = Callable[[], Proposer]
 Loader = Callable[[ProposerEnv], ProposerFactory]
 PROPOSERS: dict[str, Loader] = {}
-# Methods whose blocks are trees (or that read the target's hidden states): they need a target
-# whose `runs_trees` is true (the torch backends), not one that runs causal chains only (llama.cpp).
+# Methods whose blocks must be trees (Lookahead's window rides beside its candidates): they need a
+# target whose `runs_trees` is true (the torch backends), not one that runs causal chains only
+# (llama.cpp). Medusa is not one: its tree can be a chain.
 TREE_METHODS: set[str] = set()
 
 
 def register(name: str, trees: bool = False) -> Callable[[Loader], Loader]:
-    """trees: the method's blocks are trees, or it reads hidden states (see TREE_METHODS)."""
+    """trees: the method's blocks must be trees (see TREE_METHODS)."""
 
     def deco(loader: Loader) -> Loader:
         if name in PROPOSERS or name == PLAIN:
@@ -78,7 +79,7 @@ def register(name: str, trees: bool = False) -> Callable[[Loader], Loader]:
 
 
 def needs_trees(method: str) -> bool:
-    """Whether the method needs a target that runs tree blocks (and returns hidden states)."""
+    """Whether the method needs a target that runs tree blocks."""
     return method in TREE_METHODS
 
 
