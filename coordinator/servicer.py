@@ -73,10 +73,11 @@ def replica_pools(draft_addresses: Sequence[str], target_addresses: Sequence[str
                   tls: Optional[ClientTLS] = None) -> tuple[ReplicaPool, ReplicaPool]:
     """The draft and target replica sets, each replica reached through its gRPC client (`tls`: the
     coordinator's client certificate for mutual TLS, and the CA it trusts)."""
-    draft = ReplicaPool("draft", functools.partial(DraftClient, tls=tls, step_streams=settings.step_streams), DRAFT_HEALTH, settings.draft_cooldown_s,
+    clients = {"tls": tls, "step_streams": settings.step_streams}
+    draft = ReplicaPool("draft", functools.partial(DraftClient, **clients), DRAFT_HEALTH, settings.draft_cooldown_s,
                         settings.probe_interval_s)
-    target = ReplicaPool("target", functools.partial(TargetClient, tls=tls, step_streams=settings.step_streams), TARGET_HEALTH, settings.draft_cooldown_s,
-                         settings.probe_interval_s)
+    target = ReplicaPool("target", functools.partial(TargetClient, **clients), TARGET_HEALTH,
+                         settings.draft_cooldown_s, settings.probe_interval_s)
     draft.set_addresses(draft_addresses)
     target.set_addresses(target_addresses)
     return draft, target

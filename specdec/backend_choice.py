@@ -55,12 +55,21 @@ def load_fastest(spec: Optional[str], methods: Sequence[str], costs: CostStore,
 
 
 def load_faster(gguf: Path, costs: CostStore, loaders: dict[str, Callable[[], LoadedModel]]) -> LoadedModel:
-    """The same target on whichever backend in CANDIDATES serves a typical request faster here:
-    measured (every candidate loaded and timed) the first time, then read from `costs` and only
-    the chosen one loaded. loaders: backend -> how to load the target on it; gguf: its file."""
+    """The same target on whichever backend in CANDIDATES serves a typical request faster here
+    (faster_backend); a model loaded to measure it is the one returned."""
+    loaded: dict[str, LoadedModel] = {}
+    choice = faster_backend(gguf, costs, loaders, loaded)
+    return loaded.get(choice) or loaders[choice]()
+
+
+def faster_backend(gguf: Path, costs: CostStore, loaders: dict[str, Callable[[], LoadedModel]],
+                   loaded: Optional[dict[str, LoadedModel]] = None) -> str:
+    """Which backend in CANDIDATES serves a typical request faster here: measured (every
+    candidate loaded by loaders[name] and timed; kept in `loaded`) the first time, then read
+    from `costs`. gguf: the target's file (its identity is part of the key)."""
     from specdec.llamacpp.model import gguf_identity
 
-    loaded: dict[str, LoadedModel] = {}
+    loaded = {} if loaded is None else loaded
 
     def measure() -> dict:
         figures = {}
@@ -74,6 +83,4 @@ def load_faster(gguf: Path, costs: CostStore, loaders: dict[str, Callable[[], Lo
            "gguf": gguf_identity(gguf), "request": [TYPICAL_PROMPT_TOKENS, TYPICAL_NEW_TOKENS]}
     found = costs.figure(key, "which backend runs the target fastest (both, once)", measure)
     choice = found.get("choice") if isinstance(found, dict) else None
-    if choice not in CANDIDATES:
-        choice = "fast"
-    return loaded.get(choice) or loaders[choice]()
+    return choice if choice in CANDIDATES else "fast"

@@ -333,16 +333,15 @@ def build_context(config: BenchConfig, target: Optional[LoadedModel] = None,
 def _resolve_auto(config: BenchConfig, target: LoadedModel, backend: str) -> str:
     """A backend name, "auto" resolved as `specdec generate` resolves it for its default method
     (specdec.backend_choice: measured once per machine and kept)."""
-    from specdec.backend_choice import dual_gguf, load_faster
+    from specdec.backend_choice import dual_gguf, faster_backend
     from specdec.engine import EngineConfig, default_cost_store
-    from specdec.models import backend_name, load_gguf_model, resolve_backend
+    from specdec.models import load_gguf_model, resolve_backend
 
     gguf = dual_gguf(config.target) if config.device == "cpu" else None
     if backend != "auto" or gguf is None:
         return resolve_backend(target.lm.model, backend)
-    chosen = load_faster(gguf, default_cost_store(EngineConfig()),
-                         {"fast": lambda: _on_backend(target, "fast"), "llamacpp": lambda: load_gguf_model(config.target)})
-    return backend_name(chosen.lm)
+    loaders = {"fast": lambda: _on_backend(target, "fast"), "llamacpp": lambda: load_gguf_model(config.target)}
+    return faster_backend(gguf, default_cost_store(EngineConfig()), loaders)
 
 
 def _llamacpp_engine(config: BenchConfig, draft: Optional[LoadedModel]):
@@ -385,6 +384,7 @@ def _on_backend(loaded: LoadedModel, backend: str) -> LoadedModel:
 
 def available_methods(ctx: BenchContext) -> tuple[dict[str, Runner], dict[str, str]]:
     """(label -> runner, label -> why unavailable) for the configured methods."""
+    from specdec.engine import AUTO
     from specdec.proposers import method_names
 
     cfg = ctx.config
@@ -395,7 +395,7 @@ def available_methods(ctx: BenchContext) -> tuple[dict[str, Runner], dict[str, s
     for name, factory in PEER_FACTORIES.items():
         candidates.append((name, lambda f=factory: f(ctx)))
     backends = list(ctx.engines)
-    for method in ("auto", *method_names()):
+    for method in (AUTO, *method_names()):
         for backend in backends:
             candidates.append((method_label(method, backend, backends),
                                lambda m=method, b=backend: _specdec_runner(ctx, m, b)))

@@ -3,11 +3,13 @@ compare speculative output with plain output token for token."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 import pytest
 import torch
 
+from specdec.costmodel import CostStore
 from specdec.kv_cache import KVCache
 from specdec.lm import CausalLM
 from specdec.models import perturbed_copy, tiny_llama
@@ -24,6 +26,26 @@ def tiny_target() -> CausalLM:
 def tiny_draft(tiny_target) -> CausalLM:
     """Agrees with the target often but not always, so both accept and reject paths run."""
     return perturbed_copy(tiny_target, noise=0.25, seed=1)
+
+
+def gguf_copy(lm: CausalLM, path: Path, threads: int = 1, context=None):
+    """The same weights written as a GGUF file at `path` (float32) and loaded on llama.cpp."""
+    from specdec.llamacpp import LlamaCppLM
+    from specdec.llamacpp.convert import write_llama_gguf
+
+    return LlamaCppLM(write_llama_gguf(lm.model, path), threads=threads, context=context)
+
+
+class FixedCosts(CostStore):
+    """A cost store whose verify-cost curve is given: tests of a rule that reads v(k), not of
+    this machine."""
+
+    def __init__(self, curve: dict[int, float]):
+        super().__init__()
+        self.curve = curve
+
+    def verify_cost(self, lm) -> dict[int, float]:
+        return dict(self.curve)
 
 
 def full_logits(lm: CausalLM, ids: Sequence[int]) -> torch.Tensor:

@@ -363,7 +363,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="how the model runs: hf (transformers, any model), fast (specdec's Llama forward, same "
                              "outputs, faster on CPU), llamacpp (the target's GGUF file on llama.cpp: causal chains "
                              "only, so no Lookahead and Medusa as a chain; sessions side by side, a context each; "
-                             "the draft service keeps a torch draft), auto (default: fast for Llama-family float32 models on CPU)")
+                             "the draft service keeps a torch draft), auto (default: fast for Llama-family float32 "
+                             "models on CPU)")
 
 
 def add_session_flags(parser: argparse.ArgumentParser, max_sessions: int, batch_window_ms: float) -> None:

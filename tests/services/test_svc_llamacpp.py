@@ -11,24 +11,15 @@ import pytest
 from specdec.decode import plain_generate
 from specdec.errors import InvalidRequest
 from specdec.types import StopConditions
-from tests.conftest import assert_greedy_equal
+from tests.conftest import assert_greedy_equal, gguf_copy
 from tests.services.stack import local_stack, mean_batch_size, run
 
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 10, 11, 12, 13, 14], [20, 21, 22], [40, 41, 42, 43], [7, 7, 7]]
 
 
 @pytest.fixture(scope="module")
-def gguf_path(long_target, tmp_path_factory):
-    from specdec.llamacpp.convert import write_llama_gguf
-
-    return write_llama_gguf(long_target.model, tmp_path_factory.mktemp("gguf") / "long.gguf")
-
-
-@pytest.fixture(scope="module")
-def gguf_target(gguf_path):
-    from specdec.llamacpp import LlamaCppLM
-
-    return LlamaCppLM(gguf_path, threads=1, context=512)
+def gguf_target(long_target, tmp_path_factory):
+    return gguf_copy(long_target, tmp_path_factory.mktemp("gguf") / "long.gguf", context=512)
 
 
 def _plain(lm, prompt, n):
@@ -75,12 +66,11 @@ def test_the_draft_service_refuses_llamacpp_with_what_to_do_instead():
         load_draft(None, backend="llamacpp")
 
 
-def test_sessions_verified_together_on_two_threads_run_side_by_side_and_stay_exact(redis_url, gguf_path, gguf_target,
-                                                                                  good_draft):
+def test_sessions_verified_together_on_two_threads_run_side_by_side_and_stay_exact(redis_url, gguf_target, good_draft):
     """With t threads, up to t sessions' steps run at once, each on its own context (run_each)."""
     from specdec.llamacpp import LlamaCppLM
 
-    two = LlamaCppLM(gguf_path, threads=2, context=512)
+    two = LlamaCppLM(gguf_target.path, threads=2, context=512)
     seen = []
     run_each = two.run_each
     two.run_each = lambda jobs, caches: (seen.append((len(jobs), [c.threads for c in caches])), run_each(jobs, caches))[1]

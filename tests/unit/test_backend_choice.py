@@ -13,6 +13,7 @@ from specdec.engine import Engine
 from specdec.models import LoadedModel
 from specdec.proposers import needs_trees
 from specdec.types import StopConditions
+from tests.conftest import FixedCosts
 
 
 class BusyLM:
@@ -89,17 +90,6 @@ def test_the_choice_is_kept_and_later_runs_load_only_the_chosen_backend(tiny_tar
 def test_only_lookahead_needs_tree_blocks():
     assert needs_trees("lookahead")  # its Jacobi window rides beside the candidates; Medusa can run a chain
     assert not any(needs_trees(m) for m in ("plain", "prompt-lookup", "draft", "medusa", "auto"))
-
-
-class FixedCosts(CostStore):
-    """A cost store whose verify-cost curve is given (the resolution rule, not the machine, is tested)."""
-
-    def __init__(self, curve):
-        super().__init__()
-        self.curve = curve
-
-    def verify_cost(self, lm):
-        return dict(self.curve)
 
 
 @pytest.mark.parametrize("curve,want", [

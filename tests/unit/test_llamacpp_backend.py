@@ -10,18 +10,14 @@ from specdec.errors import InvalidRequest
 from specdec.proposers import DraftModelProposer, PromptLookupProposer
 from specdec.tree import block_mask, depths
 from specdec.types import SamplingParams, StopConditions
-from tests.conftest import assert_greedy_equal, full_logits
+from tests.conftest import assert_greedy_equal, full_logits, gguf_copy
 
 PROMPTS = [[5, 17, 33, 2, 40], [9, 9], [60, 12, 7, 88, 3, 21, 45, 50, 11]]
 
 
 @pytest.fixture(scope="module")
 def gguf_target(tiny_target, tmp_path_factory):
-    from specdec.llamacpp import LlamaCppLM
-    from specdec.llamacpp.convert import write_llama_gguf
-
-    path = write_llama_gguf(tiny_target.model, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
-    return LlamaCppLM(path, threads=1)
+    return gguf_copy(tiny_target, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
 def test_the_gguf_model_computes_the_torch_model_logits(gguf_target, tiny_target):

@@ -17,7 +17,7 @@ from specdec.proposers.medusa import MedusaProposer
 from specdec.tree import compile_tree
 from specdec.training.medusa import Example, MedusaRecipe, train_medusa
 from specdec.types import ProposeContext, SamplingParams, StopConditions, TypicalAcceptance
-from tests.conftest import assert_greedy_equal, full_logits
+from tests.conftest import FixedCosts, assert_greedy_equal, full_logits, gguf_copy
 
 CHAIN = "chain"
 NARROW = [[0], [1], [0, 0], [0, 0, 0]]
@@ -225,10 +225,7 @@ def test_eval_counts_head_hits_against_the_greedy_answer(tiny_target, tiny_heads
 
 @pytest.fixture(scope="module")
 def gguf_tiny(tiny_target, tmp_path_factory):
-    from specdec.llamacpp import LlamaCppLM
-    from specdec.llamacpp.convert import write_llama_gguf
-
-    return LlamaCppLM(write_llama_gguf(tiny_target.model, tmp_path_factory.mktemp("gguf") / "tiny.gguf"), threads=1)
+    return gguf_copy(tiny_target, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
 def test_the_llamacpp_backend_returns_the_final_hidden_state_with_the_logits(tiny_target, gguf_tiny):
@@ -252,7 +249,7 @@ def test_medusa_on_llamacpp_runs_a_chain_and_equals_its_plain_decoding(gguf_tiny
     prompts = _random_prompts(3, seed=7)
     stop = StopConditions(max_new_tokens=32)
     want = [r.token_ids for r in plain_generate(gguf_tiny, prompts, stop=stop)]
-    proposer = MedusaProposer(gguf_tiny, heads, tree, costs=CostStoreAt({1: 1.0, 2: 1.0, 3: 1.0, 5: 1.0}))
+    proposer = MedusaProposer(gguf_tiny, heads, tree, costs=FixedCosts({1: 1.0, 2: 1.0, 3: 1.0, 5: 1.0}))
     assert all(len(p) == i + 1 and set(p) == {0} for i, p in enumerate(proposer.tree.paths)) and proposer.tree.paths
     got = speculative_generate(gguf_tiny, proposer, prompts, stop=stop, k=4)
     for p, g, w in zip(prompts, got, want):
@@ -265,12 +262,3 @@ def test_a_branching_medusa_tree_on_llamacpp_is_refused_with_what_to_use(gguf_ti
     with pytest.raises(InvalidRequest, match="causal chains only.*--tree auto or chain"):
         MedusaProposer(gguf_tiny, heads, NARROW)
 
-
-class CostStoreAt:
-    """Costs with a given verify curve (the chain depth rule is tested, not this machine)."""
-
-    def __init__(self, curve):
-        self.curve = curve
-
-    def verify_cost(self, lm):
-        return dict(self.curve)

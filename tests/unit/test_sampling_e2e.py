@@ -10,7 +10,7 @@ from specdec.decode import plain_generate, speculative_generate
 from specdec.models import perturbed_copy, tiny_llama
 from specdec.proposers import DraftModelProposer, PromptLookupProposer
 from specdec.types import SamplingParams, StopConditions
-from tests.conftest import full_logits
+from tests.conftest import full_logits, gguf_copy
 
 VOCAB = 6
 PROMPT = [1, 2, 3, 1, 2]
@@ -91,10 +91,7 @@ def test_seeded_row_does_not_depend_on_its_batch_neighbours(tiny_target, tiny_dr
 def test_speculative_sampling_on_llamacpp_matches_its_own_distribution(small_vocab_target, tmp_path, name):
     """The same on the llama.cpp backend (the target written as a GGUF): emitted pairs follow the
     probabilities llama.cpp itself computes. Rows in batches of 250 (llama.cpp's sequence limit)."""
-    from specdec.llamacpp import LlamaCppLM
-    from specdec.llamacpp.convert import write_llama_gguf
-
-    lm = LlamaCppLM(write_llama_gguf(small_vocab_target.model, tmp_path / "small.gguf"), threads=1, context=16)
+    lm = gguf_copy(small_vocab_target, tmp_path / "small.gguf", context=16)
     sampling = SamplingParams(temperature=1.0)
     proposer = (lambda: DraftModelProposer(perturbed_copy(small_vocab_target, 0.5, seed=2))) if name == "draft_model" \
         else PromptLookupProposer
