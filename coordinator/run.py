@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Optional, Protocol
 
 from specdec.errors import (FailedPrecondition, InvalidRequest, NotFound, Overloaded, RemoteError, SpecdecError,
                             Unavailable)
-from specdec.proposers.draft_model import common_prefix_len
+from specdec.verify import common_prefix_len
+from specdec.sessions import PrefixDigests, extend_digest
 from specdec.stopping import StopChecker
 from specdec.types import DraftBlock, GenerationStats, SamplingParams, StopConditions
 from coordinator.records import SessionRecord
@@ -119,9 +120,11 @@ class SessionRun:
     draft_refused: bool = False  # the draft refused this session's request: the target continues it alone
     _commit: Optional[asyncio.Future] = None  # the Redis write in flight
     tokens: list[int] = field(default_factory=list)  # verified tokens: the committed ones + the write in flight
+    digests: PrefixDigests = field(default_factory=PrefixDigests)  # of `tokens`, which only grows
 
     def __post_init__(self) -> None:
         self.tokens = list(self.rec.tokens)
+        self.digests = PrefixDigests(self.tokens)
 
     @property
     def session_id(self) -> str:
@@ -161,6 +164,7 @@ class SessionRun:
                 self._timed("commit wait", t_wait)
                 taken = self.checker.push(emitted)
                 self.tokens.extend(taken)
+                self.digests.extend(taken)
                 self.stats.emitted += len(taken)
                 self.stats.elapsed_s = time.perf_counter() - t0
                 status = "done" if self.verified_all else "running"
@@ -293,7 +297,8 @@ class SessionRun:
             self.pending.task.cancel()
             self.pending = None
 
-    async def _send_propose(self, rep, tokens: list[int], k: int, with_guess: bool) -> DraftBlock:
+    async def _send_propose(self, rep, tokens: list[int], digest: int, k: int, with_guess: bool) -> DraftBlock:
+        """digest: token_digest(tokens)."""
         client: DraftClient = rep.client
         if rep.address != self.draft_addr:
             if not await self.coord.draft_fits(rep):
@@ -305,7 +310,7 @@ class SessionRun:
         self.draft_known = self.draft_known[:known]  # only this much is sure while the call is in flight
         block = await client.propose(self.session_id, tokens, known, k, self.sampling, with_guess=with_guess,
                                      vocab_size=self.coord.vocab_size,
-                                     timeout=self.coord.settings.propose_deadline_s)
+                                     timeout=self.coord.settings.propose_deadline_s, digest=digest)
         if rep.address == self.draft_addr:
             self.draft_known = list(tokens)
         return block
@@ -321,7 +326,7 @@ class SessionRun:
             self.draft_refused = True
 
     async def _propose(self, rep, k: int) -> DraftBlock:
-        committed = list(self.tokens)
+        committed, digest = list(self.tokens), self.digests.last()
         # Drafting ahead pays only when the whole block and the guessed bonus are accepted (about
         # alpha^(k+1)); try it after a fully accepted block, not after a rejection.
         pipeline = self.coord.settings.pipeline and self.last_fully_accepted
@@ -343,7 +348,7 @@ class SessionRun:
         if block is None:
             for attempt in range(2):
                 try:
-                    block = await self._send_propose(rep, committed, k, with_guess=pipeline)
+                    block = await self._send_propose(rep, committed, digest, k, with_guess=pipeline)
                     break
                 except NotFound:
                     self.draft_addr = None  # evicted or restarted: prefill it again
@@ -356,10 +361,12 @@ class SessionRun:
                         draft_probs=None if block.draft_probs is None else block.draft_probs[:k],
                         guess=block.guess if len(block.token_ids) == k else None)
         if pipeline and block.guess is not None and len(block.token_ids) == k:
-            assumed = committed + list(block.token_ids) + [block.guess]
-            next_k = min(self.k, self.checker.remaining - len(assumed) + len(committed) - 1)
+            ahead = list(block.token_ids) + [block.guess]
+            assumed = committed + ahead
+            next_k = min(self.k, self.checker.remaining - len(ahead) - 1)
             if next_k >= 1:
-                task = asyncio.get_running_loop().create_task(self._send_propose(rep, assumed, next_k, True))
+                task = asyncio.get_running_loop().create_task(
+                    self._send_propose(rep, assumed, extend_digest(digest, ahead), next_k, True))
                 task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "never retrieved"
                 self.pending = _Pending(tuple(assumed), rep.address, task)
         return block
@@ -381,13 +388,13 @@ class SessionRun:
                 f"session {self.session_id} keeps its {len(self.generated)} tokens: resume it with its id")
 
     async def _on_target(self, call):
-        """Run call(client, committed, known) on the session's target replica, prefilling it when the
+        """Run call(client, committed, known, digest) on the session's target replica, prefilling it when the
         replica is new to the session, and moving to another replica when it fails."""
         deadline = time.monotonic() + self.coord.settings.target_wait_s
         while True:
             rep = await self._target()
             client: TargetClient = rep.client
-            committed = list(self.tokens)
+            committed, digest = list(self.tokens), self.digests.last()
             try:
                 if rep.address != self.target_addr:
                     self.target_addr, self.target_known = None, []
@@ -395,7 +402,7 @@ class SessionRun:
                     self.target_addr, self.target_known = rep.address, list(committed)
                 known = common_prefix_len(self.target_known, committed)
                 self.target_known = self.target_known[:known]
-                result = await call(client, committed, known)
+                result = await call(client, committed, known, digest)
                 self.target_known = committed + list(result.emitted)
                 return result
             except NotFound:
@@ -407,9 +414,9 @@ class SessionRun:
                 raise Unavailable(self._target_gone())
 
     async def _verify(self, block: DraftBlock):
-        async def call(client: TargetClient, committed, known):
+        async def call(client: TargetClient, committed, known, digest):
             return await client.verify(self.session_id, committed, known, block.token_ids, block.draft_probs,
-                                       self.sampling, block.kind)
+                                       self.sampling, block.kind, digest=digest)
 
         v = await self._on_target(call)
         self.last_fully_accepted = v.num_drafted > 0 and v.num_accepted == v.num_drafted
@@ -421,9 +428,9 @@ class SessionRun:
     async def _decode(self, method: str, max_tokens: int, fallback: bool) -> tuple[int, ...]:
         self._drop_pending()
 
-        async def call(client: TargetClient, committed, known):
+        async def call(client: TargetClient, committed, known, digest):
             return await client.decode(self.session_id, committed, known, max_tokens, method, self.sampling,
-                                       self.stop.eos_token_ids)
+                                       self.stop.eos_token_ids, digest=digest)
 
         res = await self._on_target(call)
         self.stats.target_forwards += res.target_forwards

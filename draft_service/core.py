@@ -22,7 +22,7 @@ from specdec.rpc.batching import MicroBatcher
 from specdec.rpc.metrics import ServiceMetrics
 from specdec.rpc.session_table import SessionTable
 from specdec.sampling import draft_seed, make_generator
-from specdec.sessions import check_token_ids, step_seed, token_digest
+from specdec.sessions import PrefixDigests, check_token_ids, extend_digest, step_seed
 from specdec.types import ProposeContext, SamplingParams
 
 
@@ -46,6 +46,7 @@ class DraftSession:
     session_id: str
     rows: DraftRows  # the session's draft KV cache (batch 1) and the tokens it holds
     tokens: list[int] = field(default_factory=list)  # the committed tokens the caller last named
+    digests: PrefixDigests = field(default_factory=PrefixDigests)  # of every prefix of `tokens`
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -96,7 +97,7 @@ class DraftCore:
             def work():
                 # Compute the prompt's KV now (the caller overlaps this with the target's prefill).
                 sess.rows.load(self.draft, ids)
-                sess.tokens = ids
+                sess.tokens, sess.digests = ids, PrefixDigests(ids)
             await self.batcher.run_alone(work)
         self.metrics.session_rebuilds.inc()
         return len(ids)
@@ -120,11 +121,13 @@ class DraftCore:
         base = job.committed_len - len(job.new_token_ids)
         if base > len(sess.tokens):
             raise NotFound(f"session {sess.session_id} is behind the caller: prefill it again")
-        candidate = sess.tokens[:base] + list(job.new_token_ids)
-        if token_digest(candidate) != job.digest:
+        new = list(job.new_token_ids)
+        if extend_digest(sess.digests.at(base), new) != job.digest:
             raise NotFound(f"session {sess.session_id} holds other tokens than the caller: prefill it again")
-        sess.tokens = candidate
-        return candidate
+        sess.tokens = sess.tokens[:base] + new
+        sess.digests.truncate(base)
+        sess.digests.extend(new)
+        return sess.tokens
 
     def _run(self, jobs: Sequence[_Job]) -> list:
         results: list = [None] * len(jobs)

@@ -150,11 +150,20 @@ def verify_sessions(target: CausalLM, caches: Sequence[KVCache], rows: Sequence[
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share (lists or tuples), compared a slice at a time rather
+    than a token at a time: called on a session's whole token list every step."""
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    a, b = list(a[:n]), list(b[:n])
+    if a == b:  # the usual case
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def load_committed(target: CausalLM, cache: KVCache, committed: Sequence[int],

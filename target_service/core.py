@@ -28,10 +28,10 @@ from specdec.rpc.batching import MicroBatcher
 from specdec.rpc.metrics import ServiceMetrics
 from specdec.rpc.session_table import SessionTable
 from specdec.sampling import make_generator
-from specdec.sessions import check_token_ids, step_seed, token_digest
+from specdec.sessions import PrefixDigests, check_token_ids, extend_digest, step_seed
 from specdec.stopping import StopChecker
 from specdec.types import DraftKind, Proposal, ProposeContext, SamplingParams, StopConditions, Verdict
-from specdec.verify import RowStep, load_committed, verify_sessions
+from specdec.verify import RowStep, common_prefix_len, load_committed, verify_sessions
 
 log = logging.getLogger("target_service")
 
@@ -63,6 +63,7 @@ class Position:
 class TargetSession:
     session_id: str
     tokens: list[int] = field(default_factory=list)  # committed tokens; the cache holds all but the last
+    digests: PrefixDigests = field(default_factory=PrefixDigests)  # of every prefix of `tokens`
     cache: Optional[object] = None  # KVCache, batch 1
     hidden: Optional[torch.Tensor] = None  # [hidden] state that produced tokens[-1], if known
     proposers: dict[str, Proposer] = field(default_factory=dict)  # target-side proposers used by Decode
@@ -163,15 +164,16 @@ class TargetCore:
         base = pos.committed_len - len(pos.new_token_ids)
         if sess.cache is None or base > len(sess.tokens):
             raise NotFound(f"session {sess.session_id} is behind the caller: prefill it again")
-        candidate = sess.tokens[:base] + list(pos.new_token_ids)
-        if token_digest(candidate) != pos.digest:
+        new = list(pos.new_token_ids)
+        if extend_digest(sess.digests.at(base), new) != pos.digest:
             raise NotFound(f"session {sess.session_id} holds other tokens than the caller: prefill it again")
-        if candidate != sess.tokens:
-            self._load(sess, candidate)
+        if len(sess.tokens) != pos.committed_len or sess.tokens[base:] != new:
+            self._load(sess, sess.tokens[:base] + new)
 
     def _load(self, sess: TargetSession, tokens: list[int]) -> None:
         """Make the session hold these committed tokens, keeping what its cache shares with them."""
         load_committed(self.target, sess.cache, tokens, cached=sess.tokens)
+        sess.digests.reset(tokens, common_prefix_len(sess.tokens, tokens))
         sess.tokens = list(tokens)
         sess.hidden = None
 
@@ -197,6 +199,7 @@ class TargetCore:
             v = out.verdict
             sess.cache, sess.hidden = cache, out.hidden
             sess.tokens.extend(v.emitted)
+            sess.digests.extend(v.emitted)
             if steps[i].proposer is not None:
                 steps[i].proposer.observe([v])
             self.metrics.record_verdict(v.num_drafted, v.num_accepted, len(v.emitted))

@@ -244,8 +244,9 @@ class DraftClient(ServiceClient):
 
     async def propose(self, session_id: str, committed: Sequence[int], known_len: int, k: int,
                       sampling: SamplingParams, with_guess: bool = False, vocab_size: int = 0,
-                      timeout: Optional[float] = None) -> DraftBlock:
-        req = draft_pb2.ProposeRequest(position=convert.position_to_pb(session_id, committed, known_len), k=k,
+                      timeout: Optional[float] = None, digest: Optional[int] = None) -> DraftBlock:
+        """digest: token_digest(committed), when the caller keeps it (else computed here)."""
+        req = draft_pb2.ProposeRequest(position=convert.position_to_pb(session_id, committed, known_len, digest), k=k,
                                        sampling=convert.sampling_to_pb(sampling), with_guess=with_guess)
         # No retry: a Propose that misses its deadline opens the breaker instead.
         reply = await self._step(session_id, self.stub.ProposeStream, self.stub.Propose, req,
@@ -278,8 +279,8 @@ class TargetClient(ServiceClient):
 
     async def verify(self, session_id: str, committed: Sequence[int], known_len: int, draft_ids: Sequence[int],
                      draft_probs: Optional[torch.Tensor], sampling: SamplingParams,
-                     draft_kind: DraftKind) -> VerifyResult:
-        req = target_pb2.VerifyRequest(position=convert.position_to_pb(session_id, committed, known_len),
+                     draft_kind: DraftKind, digest: Optional[int] = None) -> VerifyResult:
+        req = target_pb2.VerifyRequest(position=convert.position_to_pb(session_id, committed, known_len, digest),
                                        draft_token_ids=list(draft_ids), sampling=convert.sampling_to_pb(sampling),
                                        draft_kind=convert.draft_kind_to_pb(draft_kind))
         if draft_probs is not None:
@@ -289,8 +290,9 @@ class TargetClient(ServiceClient):
         return VerifyResult(tuple(reply.emitted_token_ids), reply.num_accepted, reply.num_drafted)
 
     async def decode(self, session_id: str, committed: Sequence[int], known_len: int, max_tokens: int,
-                     method: str, sampling: SamplingParams, stop_token_ids: Sequence[int] = ()) -> DecodeResult:
-        req = target_pb2.DecodeRequest(position=convert.position_to_pb(session_id, committed, known_len),
+                     method: str, sampling: SamplingParams, stop_token_ids: Sequence[int] = (),
+                     digest: Optional[int] = None) -> DecodeResult:
+        req = target_pb2.DecodeRequest(position=convert.position_to_pb(session_id, committed, known_len, digest),
                                        max_tokens=max_tokens, method=method, sampling=convert.sampling_to_pb(sampling),
                                        stop_token_ids=list(stop_token_ids))
         reply = await self._call(self.stub.Decode, req, self.deadlines.decode)

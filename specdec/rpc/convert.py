@@ -53,10 +53,13 @@ def draft_kind_from_pb(value: int) -> Optional[DraftKind]:
 
 # --- session positions -------------------------------------------------------------------------
 
-def position_to_pb(session_id: str, committed: Sequence[int], known_len: int) -> common_pb2.SessionPosition:
-    """The position after `committed`, sending the tokens past the first known_len (what the service has)."""
+def position_to_pb(session_id: str, committed: Sequence[int], known_len: int,
+                   digest: Optional[int] = None) -> common_pb2.SessionPosition:
+    """The position after `committed`, sending the tokens past the first known_len (what the service
+    has). digest: token_digest(committed) where the caller keeps it (sessions.PrefixDigests)."""
     return common_pb2.SessionPosition(session_id=session_id, committed_len=len(committed),
-                                      new_token_ids=list(committed[known_len:]), committed_digest=token_digest(committed))
+                                      new_token_ids=list(committed[known_len:]),
+                                      committed_digest=token_digest(committed) if digest is None else digest)
 
 
 # --- draft probabilities -----------------------------------------------------------------------

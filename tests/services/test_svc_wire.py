@@ -164,6 +164,30 @@ def test_token_digest_depends_on_every_token_and_the_order():
     assert base != token_digest([1, 2, 3, 0])
 
 
+def test_prefix_digests_follow_a_token_list_that_grows_and_is_cut_back():
+    import random
+
+    from specdec.sessions import PrefixDigests, extend_digest
+
+    rng = random.Random(0)
+    tokens: list[int] = []
+    digests = PrefixDigests()
+    for _ in range(200):
+        if tokens and rng.random() < 0.3:  # a rollback, then other tokens
+            keep = rng.randrange(len(tokens) + 1)
+            new = tokens[:keep] + [rng.randrange(50) for _ in range(rng.randrange(4))]
+            digests.reset(new, keep)
+            tokens = new
+        else:
+            step = [rng.randrange(50) for _ in range(rng.randrange(1, 6))]
+            assert extend_digest(digests.last(), step) == token_digest(tokens + step)
+            digests.extend(step)
+            tokens += step
+        assert len(digests) == len(tokens)
+        n = rng.randrange(len(tokens) + 1)
+        assert digests.at(n) == token_digest(tokens[:n]) and digests.last() == token_digest(tokens)
+
+
 def test_a_service_serves_health_reflection_and_metrics(tiny_target):
     async def scenario():
         srv = await start_target_server(tiny_target, ServerSettings(metrics_port=0))
