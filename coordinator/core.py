@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Optional, 
 from specdec.errors import FailedPrecondition, InvalidRequest, NotFound, Overloaded, Unavailable
 from specdec.rpc.metrics import ServiceMetrics
 from specdec.sessions import check_session_id, check_token_ids
-from specdec.stopping import StopChecker, cut_at_stop_string
+from specdec.stopping import IncrementalText, StopChecker, cut_at_stop_string
 from specdec.types import ModelInfo, SamplingParams, StopConditions
 from coordinator.records import STORE_DOWN, SessionRecord
 from coordinator.routing import ReplicaPool
@@ -333,7 +333,8 @@ class Coordinator:
         """A session's updates from the client's offset until it finishes.
 
         Leaving early (cancellation) detaches; the last consumer to leave pauses the run."""
-        sent_text = self.text(run, offset)
+        decoded = IncrementalText(self.detokenize, run.generated[:offset])  # decodes only new tokens per step
+        sent_text = cut_at_stop_string(decoded.text, run.stop.stop_strings)
         run.consumers += 1
         try:
             while True:
@@ -341,7 +342,10 @@ class Coordinator:
                 gen = run.generated
                 if len(gen) > offset:
                     t0 = time.perf_counter()
-                    text = self.text(run, len(gen))
+                    decoded.push(gen[offset:])
+                    # The last piece from the whole text decoded once more, exactly as a unary answer's.
+                    text = (self.text(run, len(gen)) if run.finished
+                            else cut_at_stop_string(decoded.text, run.stop.stop_strings))
                     # Hold back an incomplete multi-byte character; never resend text.
                     safe = text.rstrip("\ufffd") if not run.finished else text
                     delta = safe[len(sent_text):] if safe.startswith(sent_text) else ""

@@ -60,25 +60,69 @@ def cut_at_stop_string(text: str, stop_strings: Sequence[str]) -> str:
     return text[:cut]
 
 
+class IncrementalText:
+    """detokenize(tokens) of a token list that grows at its end, kept up to date by decoding only
+    its newest tokens (decoding the whole list every step grew with its length: 0.7 ms a step at
+    4,000 tokens).
+
+    The list is split where its text is known to be final: `text` = the text of tokens[:settled]
+    + the open tokens' text, decoded with a few settled tokens before them as context (a
+    detokenizer renders a token differently at the start of a text: a leading space dropped, a
+    character whose bytes span tokens) and that context's own text cut off. The open part is
+    settled once it is long and ends on a whole character. Where the context's text is not a
+    prefix of the window's (a detokenizer that rewrites across more than the context), the whole
+    list is decoded instead."""
+
+    CONTEXT = 4  # settled tokens decoded before the open ones
+    SETTLE = 16  # open tokens kept before settling them
+
+    def __init__(self, detokenize: Detokenize, token_ids: Iterable[int] = ()):
+        self.detokenize = detokenize
+        self.tokens: list[int] = [int(t) for t in token_ids]
+        self.text = detokenize(self.tokens) if self.tokens else ""
+        self._settled, self._settled_text = 0, ""
+        self._settle()
+
+    def push(self, token_ids: Iterable[int]) -> str:
+        """Append tokens -> the whole text."""
+        self.tokens += [int(t) for t in token_ids]
+        start = max(0, self._settled - self.CONTEXT)
+        context = self.detokenize(self.tokens[start : self._settled]) if start < self._settled else ""
+        window = self.detokenize(self.tokens[start:])
+        if window.startswith(context):
+            self.text = self._settled_text + window[len(context) :]
+        else:
+            self.text = self.detokenize(self.tokens)
+            self._settled, self._settled_text = 0, ""
+        self._settle()
+        return self.text
+
+    def _settle(self) -> None:
+        if len(self.tokens) - self._settled >= self.SETTLE and not self.text.endswith("\ufffd"):
+            self._settled, self._settled_text = len(self.tokens), self.text
+
+
 class TextStream:
     """Text of a growing token sequence, handed out in pieces that never need taking back.
 
     `push(tokens)` returns the new text that is final: it holds back an incomplete multi-byte
     character (decoded as U+FFFD until its last byte arrives) and any tail that could still
     grow into a stop string (stop strings are not part of the answer); `finish()` returns the
-    rest, cut at the first stop string. Decodes the whole sequence each time (detokenizers
-    merge across token boundaries), which is cheap next to a forward pass.
+    rest, cut at the first stop string, from the whole sequence decoded once more.
     """
 
     def __init__(self, detokenize: Detokenize, stop_strings: Sequence[str] = ()):
         self.detokenize = detokenize
         self.stop_strings = tuple(s for s in stop_strings if s)
-        self.tokens: list[int] = []
+        self._text = IncrementalText(detokenize)
         self.sent = ""
 
+    @property
+    def tokens(self) -> list[int]:
+        return self._text.tokens
+
     def push(self, tokens: Iterable[int]) -> str:
-        self.tokens += [int(t) for t in tokens]
-        text = cut_at_stop_string(self.detokenize(self.tokens), self.stop_strings).rstrip("\ufffd")
+        text = cut_at_stop_string(self._text.push(tokens), self.stop_strings).rstrip("\ufffd")
         final = text[: len(text) - _open_stop_prefix(text, self.stop_strings)]
         return self._advance(final)
 

@@ -54,3 +54,24 @@ def test_shipped_draft_is_the_default_and_lossless(prompts):
             assert_greedy_equal(engine.target.lm, p, g.token_ids, w.token_ids)
         assert sum(g.stats.accepted for g in got) > 0
     assert engine.draft.path == str(shipped_draft_path(DEFAULT_TARGET))
+
+
+def test_incremental_text_equals_the_real_tokenizers_whole_decoding(real, plain):
+    """The coordinator streams text decoded a window at a time (IncrementalText): after every
+    step it must equal the whole answer decoded, on real answers and on random token runs
+    (characters split over tokens, special tokens, spaces), pushed a speculative step at a time."""
+    import random
+
+    from specdec.stopping import IncrementalText
+
+    tok = real.tokenizer
+    detokenize = lambda ids: tok.decode(list(ids), skip_special_tokens=True)  # noqa: E731 - the coordinator's
+    rng = random.Random(0)
+    runs = [list(p.token_ids) for p in plain]
+    runs += [[rng.randrange(len(tok)) for _ in range(200)] for _ in range(20)]
+    for ids in runs:
+        text, i = IncrementalText(detokenize, ids[:3]), 3
+        while i < len(ids):
+            step = rng.randint(1, 5)
+            assert text.push(ids[i : i + step]) == detokenize(ids[: i + step])
+            i += step

@@ -73,3 +73,61 @@ def test_text_stream_gives_the_rest_at_the_end():
     vocab = {1: b"ok", 2: b"\xc3"}  # ends on an incomplete character: shown as decoded at the end
     pieces, rest = _pieces(vocab, [[1, 2]])
     assert pieces == ["ok"] and rest == "\ufffd"
+
+
+# --- IncrementalText: a growing text decoded a few tokens at a time ------------------------------
+
+def _byte_vocab():
+    # Characters of 1-4 bytes split over tokens, an empty token (a skipped special), spaces.
+    return {1: b"caf", 2: b"\xc3", 3: b"\xa9", 4: b" ", 5: b"\xf0\x9f", 6: b"\x98", 7: b"\x80", 8: b"",
+            9: b"ok", 10: b"\xe2\x82\xac", 11: b".\n"}
+
+
+def _random_pushes(seed: int, vocab_ids, n: int):
+    import random
+
+    rng = random.Random(seed)
+    ids = [rng.choice(vocab_ids) for _ in range(n)]
+    blocks, i = [], 0
+    while i < len(ids):
+        step = rng.randint(1, 6)  # a speculative step's tokens
+        blocks.append(ids[i : i + step])
+        i += step
+    return ids, blocks
+
+
+@pytest.mark.parametrize("leading_space_dropped", [False, True])
+def test_incremental_text_is_the_whole_text_decoded_after_every_push(leading_space_dropped):
+    from specdec.stopping import IncrementalText
+
+    vocab = _byte_vocab()
+
+    def detokenize(ids):
+        text = b"".join(vocab[i] for i in ids).decode("utf-8", errors="replace")
+        # A sentencepiece-style decoder drops the space that begins a text: decoding a window of
+        # tokens on its own would lose the spaces that begin it.
+        return text[1:] if leading_space_dropped and text.startswith(" ") else text
+
+    decoded_tokens = []
+    counting = lambda ids: decoded_tokens.append(len(ids)) or detokenize(ids)  # noqa: E731
+    for seed in range(40):
+        ids, blocks = _random_pushes(seed, list(vocab), 300)
+        text, have = IncrementalText(counting, ids[:7]), ids[:7]
+        for block in blocks:
+            have = have + block
+            assert text.push(block) == detokenize(have) == text.text, (seed, have)
+    # It decoded a window per push, not the whole list: the cost does not grow with the length.
+    assert max(decoded_tokens[40:]) < 60
+
+
+def test_incremental_text_decodes_everything_again_when_the_context_is_rewritten():
+    from specdec.stopping import IncrementalText
+
+    # A detokenizer whose rendering of early text depends on a late token (beyond any window).
+    def detokenize(ids):
+        text = "".join(chr(97 + i % 26) for i in ids)
+        return text.upper() if ids and ids[-1] == 99 else text
+
+    text = IncrementalText(detokenize, list(range(40)))
+    assert text.push([1, 2]) == detokenize(list(range(40)) + [1, 2])
+    assert text.push([99]) == detokenize(list(range(40)) + [1, 2, 99])
