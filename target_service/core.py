@@ -115,8 +115,6 @@ class TargetCore:
         # ids only): the one per-session record of rebuilds, which the failover tests check.
         self.prefills: OrderedDict[str, int] = OrderedDict()
         self.methods = methods if methods is not None else discover_methods(target)
-        # Keep every session's last hidden state when a loaded method reads it (Medusa heads).
-        self.needs_hidden = any(make().needs_hidden for make in self.methods.values())
         self.batcher = MicroBatcher(self._run_steps, max_batch=settings.max_batch,
                                     window_s=settings.batch_window_ms / 1000, max_queue=settings.max_queue,
                                     metrics=self.metrics, expect_company=self.sessions.active_recently)
@@ -193,8 +191,12 @@ class TargetCore:
         if not ready:
             return results
         sessions = [steps[i].session for i, _ in ready]
+        # Hidden states only for a batch with a Decode step whose proposer reads them (Medusa
+        # heads): a Verify never needs one (llama.cpp computes them at a cost), and a session that
+        # moves from the draft to such a method takes one plain step first (_row_step).
+        want_hidden = any(steps[i].proposer is not None and steps[i].proposer.needs_hidden for i, _ in ready)
         outcomes, caches = verify_sessions(self.target, [s.cache for s in sessions], [r for _, r in ready],
-                                           want_hidden=self.needs_hidden)
+                                           want_hidden=want_hidden)
         for (i, _), sess, out, cache in zip(ready, sessions, outcomes, caches):
             v = out.verdict
             sess.cache, sess.hidden = cache, out.hidden

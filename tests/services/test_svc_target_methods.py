@@ -48,3 +48,56 @@ def test_lookahead_sessions_verified_together_reach_the_same_tau_as_each_alone(l
         assert t["emitted"] == a["emitted"]
         assert (t["target_forwards"], t["num_drafted"], t["num_accepted"]) == \
             (a["target_forwards"], a["num_drafted"], a["num_accepted"])
+
+
+class _WantHidden:
+    """The target, recording whether each forward asked for hidden states."""
+
+    def __init__(self, lm):
+        self._lm, self.asked = lm, []
+
+    def __getattr__(self, name):
+        return getattr(self._lm, name)
+
+    def forward(self, *args, want_hidden=False, **kwargs):
+        self.asked.append(want_hidden)
+        return self._lm.forward(*args, want_hidden=want_hidden, **kwargs)
+
+
+def test_verify_asks_for_no_hidden_state_and_a_hidden_reading_method_takes_over_after_one_plain_step(long_target):
+    """Hidden states cost a forward on llama.cpp: only a Decode step whose proposer reads them (Medusa
+    heads) asks for one. A session that moves from the draft (Verify) to such a method first takes a
+    plain step, then its proposer sees the state that produced the last token; output stays plain's."""
+    import torch
+
+    from specdec.decode import plain_generate
+    from specdec.types import StopConditions
+    from tests.unit.test_proposer_hooks import HiddenProbe
+
+    prompt = [5, 6, 7, 8, 9]
+    want = plain_generate(long_target, [prompt], stop=StopConditions(max_new_tokens=9))[0].token_ids
+    target, probe = _WantHidden(long_target), HiddenProbe()
+
+    async def scenario():
+        core = TargetCore(target, methods={"hidden_probe": lambda: probe})
+        try:
+            await core.prefill("session-1", prompt)
+            tokens = list(prompt)
+            for draft in ((), (want[1], want[2]), (3, 4)):  # a plain step, an accepted block, a rejected one
+                v = await core.verify("session-1", Position(len(tokens), (), token_digest(tokens)), draft, None,
+                                      SamplingParams(), None)
+                tokens += v.emitted
+            verified = len(target.asked)
+            res = await core.decode("session-1", Position(len(tokens), (), token_digest(tokens)), 9 - (len(tokens) - 5),
+                                    "hidden_probe", SamplingParams())
+            return tokens, list(res["emitted"]), verified
+        finally:
+            await core.close()
+
+    verified_tokens, decoded, verified = run(scenario())
+    assert (verified_tokens + decoded)[len(prompt):] == list(want)
+    assert target.asked[:verified] == [False] * verified and all(target.asked[verified:])
+    assert probe.seen and len(probe.seen[0][0]) == len(verified_tokens) + 1  # after one plain Decode step
+    for toks, hidden in probe.seen:
+        ref = long_target.forward(long_target.new_cache(1), torch.tensor([list(toks[:-1])]), want_hidden=True)
+        assert torch.allclose(hidden, ref.hidden[0, -1], atol=1e-5)
