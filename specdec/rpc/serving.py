@@ -129,10 +129,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     async with accounted(context):  # an error aborts the stream with the call's status
                         reply = await inner(request, context)
                     yield reply
-            finally:  # the client left, or the stream ended: no read left waiting
+            finally:  # the client left, or the stream ended: no read left waiting, none left unread
                 stop.cancel()
                 if nxt is not None and not nxt.done():
                     nxt.cancel()
+                elif nxt is not None and not nxt.cancelled():
+                    nxt.exception()  # the stream's end, read as the call was cancelled: nothing to report
 
         return grpc.stream_stream_rpc_method_handler(steps, request_deserializer=unary.request_deserializer,
                                                      response_serializer=unary.response_serializer)
