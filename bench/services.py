@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 
@@ -111,8 +112,11 @@ class Procs:
     def __init__(self):
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, *argv: str, log: Path) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, *argv], stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    def start(self, *argv: str, log: Path, cpus: Optional[set[int]] = None) -> subprocess.Popen:
+        """cpus: the CPUs the process (and every thread it starts) may run on; None: any."""
+        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+        proc = subprocess.Popen([sys.executable, *argv], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                                preexec_fn=pin)
         self.procs.append(proc)
         return proc
 
@@ -345,6 +349,10 @@ def main() -> int:
                     help="only gRPC vs HTTP streaming (and in-process plain, the reference output)")
     ap.add_argument("--profile", action="store_true",
                     help="only in-process speculative and services at 1 and N sessions, with the per-step breakdown")
+    ap.add_argument("--pin", action="store_true",
+                    help="Linux: the target service and the in-process runs on the last CPU, every other process "
+                         "(draft, coordinators, Redis, this client during services runs) on the others: what the "
+                         "processes sharing the cores costs the target's model thread")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="with --profile: also a coordinator started with these extra flags, e.g. "
                          "'serial commit=--no-commit-behind' (measured in the same interleaved rounds)")
@@ -372,6 +380,12 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     redis = RedisServer().start()
     procs = Procs()
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin and len(cpus) < 2:
+        ap.error("--pin needs at least 2 CPUs")
+    alone, rest = ({cpus[-1]}, set(cpus[:-1])) if args.pin else (None, None)
+    if args.pin:
+        os.sched_setaffinity(redis.proc.pid, rest)
     ports = {name: free_port() for name in ("draft", "target", "target_slow", "c_plain", "c_pipe", "c_slow",
                                              "c_slow_pipe")}
     threads = ["--threads", str(args.threads)] if args.threads else []
@@ -395,15 +409,15 @@ def main() -> int:
         mflag = lambda name: ["--metrics-port", str(mports.get(name, -1))]  # noqa: E731
         draft_argv += mflag("draft")
         started = {
-            "draft": procs.start(*draft_argv, log=logs / "draft.log"),
+            "draft": procs.start(*draft_argv, log=logs / "draft.log", cpus=rest),
             "target": procs.start("-m", "target_service", "--host", "127.0.0.1", "--port", str(ports["target"]),
-                                  *mflag("target"), *target_extra, log=logs / "target.log"),
+                                  *mflag("target"), *target_extra, log=logs / "target.log", cpus=alone),
         }
         coords = {"c_plain": ("target", False)}
         if not (args.api_only or args.profile):
             started["target_slow"] = procs.start(slow, "target", "--delay-ms", str(args.delay_ms), "--host",
                                                  "127.0.0.1", "--port", str(ports["target_slow"]), "--metrics-port",
-                                                 "-1", *target_extra, log=logs / "target_slow.log")
+                                                 "-1", *target_extra, log=logs / "target_slow.log", cpus=alone)
             coords.update(c_pipe=("target", True), c_slow=("target_slow", False), c_slow_pipe=("target_slow", True))
         if args.profile:
             coords.update({c: ("target", False) for c in vnames.values()})
@@ -416,7 +430,7 @@ def main() -> int:
                                         "--draft-replicas", f"127.0.0.1:{ports['draft']}",
                                         "--target-replicas", f"127.0.0.1:{ports[tgt]}",
                                         "--pipeline" if pipe else "--no-pipeline", *extra.get(name, []),
-                                        log=logs / f"{name}.log")
+                                        log=logs / f"{name}.log", cpus=rest)
             health[name] = "specdec.rpc.v1.Coordinator"
 
         async def wait_all():
@@ -464,6 +478,8 @@ def main() -> int:
                     lambda: asyncio.run(through(addr(c), many, n, k, True)), c)
         for r in range(args.rounds):  # interleaved, so a noisy neighbour hits every configuration alike
             for name, fn in configs.items():
+                if args.pin:  # in process: the target's CPU, alone; a client of the services: with the rest
+                    os.sched_setaffinity(0, alone if name.startswith("in-process") else rest)
                 runs.setdefault(name, []).append(fn())
                 print(f"round {r + 1} {name}: {runs[name][-1]['tok_s']:.2f} tok/s", flush=True)
     finally:
