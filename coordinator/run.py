@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Optional, Protocol
 
 from specdec.errors import (FailedPrecondition, InvalidRequest, NotFound, Overloaded, RemoteError, SpecdecError,
                             Unavailable)
-from specdec.verify import common_prefix_len
 from specdec.sessions import PrefixDigests, extend_digest
 from specdec.stopping import StopChecker
 from specdec.types import DraftBlock, GenerationStats, SamplingParams, StopConditions
+from specdec.verify import common_prefix_len
 from coordinator.records import SessionRecord
 
 if TYPE_CHECKING:

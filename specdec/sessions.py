@@ -42,7 +42,7 @@ def extend_digest(digest: int, token_ids: Iterable[int]) -> int:
 
 
 def token_digest(token_ids: Iterable[int]) -> int:
-    """A 64-bit digest of a token list: a service checks it before trusting its cached state."""
+    """A 61-bit digest of a token list: a service checks it before trusting its cached state."""
     return extend_digest(0, token_ids)
 
 
