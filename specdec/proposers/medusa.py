@@ -121,6 +121,9 @@ class MedusaProposer(Proposer):
             self.tree: CompiledTree = compile_tree(resolve_tree(tree, heads, target, costs))
         except ValueError as exc:
             raise InvalidRequest(f"bad Medusa tree: {exc}") from None
+        # A tree of depth 0 (`--tree auto` where drafting does not pay, e.g. llama.cpp on a CPU)
+        # drafts nothing: it reads no hidden state, which llama.cpp would compute at a cost.
+        self.needs_hidden = self.tree.max_depth > 0
         self._by_depth: dict[int, CompiledTree] = {}
         self._index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -131,12 +134,12 @@ class MedusaProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, ctx: ProposeContext) -> list[Proposal]:
-        if ctx.target_hidden is None:
-            raise ValueError("the medusa proposer needs the target's hidden state (needs_hidden)")
         trees = [self._tree_for(k) for k in ctx.k]
         depth = max(t.max_depth for t in trees)
         if depth == 0:
             return [Proposal() for _ in ctx.row_ids]
+        if ctx.target_hidden is None:
+            raise ValueError("the medusa proposer needs the target's hidden state (needs_hidden)")
         hidden = torch.stack(list(ctx.target_hidden))  # [rows, hidden]
         states = torch.stack([self.heads.blocks[i](hidden) for i in range(depth)], dim=1)  # [rows, depth, hidden]
         logits = states @ self.weight.T  # [rows, depth, subset]

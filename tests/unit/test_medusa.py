@@ -262,3 +262,17 @@ def test_a_branching_medusa_tree_on_llamacpp_is_refused_with_what_to_use(gguf_ti
     with pytest.raises(InvalidRequest, match="causal chains only.*--tree auto or chain"):
         MedusaProposer(gguf_tiny, heads, NARROW)
 
+
+
+def test_medusa_on_llamacpp_where_drafting_does_not_pay_reads_no_hidden_state(gguf_tiny, tiny_heads_dir):
+    """`--tree auto` with a forward over k tokens costing k single ones picks depth 0: plain steps,
+    and no hidden states (llama.cpp computes them at a cost, the target service asks only for a
+    proposer that reads them)."""
+    heads = load_heads(tiny_heads_dir, gguf_tiny)
+    proposer = MedusaProposer(gguf_tiny, heads, "auto", costs=FixedCosts({1: 1.0, 2: 2.0, 3: 3.0, 5: 5.0}))
+    assert proposer.tree.max_depth == 0 and proposer.needs_hidden is False
+    prompts = _random_prompts(2, seed=3)
+    stop = StopConditions(max_new_tokens=12)
+    got = speculative_generate(gguf_tiny, proposer, prompts, stop=stop, k=4)
+    want = [r.token_ids for r in plain_generate(gguf_tiny, prompts, stop=stop)]
+    assert [g.token_ids for g in got] == want and sum(g.stats.drafted for g in got) == 0
