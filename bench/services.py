@@ -490,7 +490,7 @@ def main() -> int:
     results = {name: sorted(rs, key=lambda x: x["tok_s"])[len(rs) // 2] for name, rs in runs.items()}
     spec = results.get("in-process speculative", results.get("in-process plain"))
     plain = results["in-process plain"]["outputs"] if "in-process plain" in results else spec["outputs"]
-    plain_text = [loaded.tokenizer.decode(o, skip_special_tokens=True) for o in plain]
+    plain_text = [loaded.tokenizer.decode(o, skip_special_tokens=True) if loaded.tokenizer else "" for o in plain]
     print("\n| run (median of rounds) | tokens | s | tok/s | vs in-process speculative | tau | pipeline hits/misses "
           "| time to first token | greedy == plain |")
     print("|---|---|---|---|---|---|---|---|---|")
