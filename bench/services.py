@@ -25,7 +25,8 @@ and prints where a target step's time goes through the services: the coordinator
 the loop; detokenizing), each service's handler time and model-thread time per call (the
 difference between the client's view and the handler's is the wire: serialization, HTTP/2,
 event-loop hops), the time outside steps (session open, prefill, the client's call), and the
-CPU each process burned per target step (from /proc).
+CPU each process burned per target step (from /proc). `--pin` gives the target's process a core of
+its own (the rest share the others): what four processes sharing two cores cost its model thread.
 
 Pipelining hides at most min(draft time, verify time) per hit, and a hit needs the whole block
 and the guessed bonus accepted; `--draft-delay-ms` makes the draft slower to show where it pays
@@ -378,12 +379,12 @@ def main() -> int:
 
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
-    redis = RedisServer().start()
-    procs = Procs()
     cpus = sorted(os.sched_getaffinity(0))
     if args.pin and len(cpus) < 2:
         ap.error("--pin needs at least 2 CPUs")
     alone, rest = ({cpus[-1]}, set(cpus[:-1])) if args.pin else (None, None)
+    redis = RedisServer().start()
+    procs = Procs()
     if args.pin:
         os.sched_setaffinity(redis.proc.pid, rest)
     ports = {name: free_port() for name in ("draft", "target", "target_slow", "c_plain", "c_pipe", "c_slow",
