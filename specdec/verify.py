@@ -137,8 +137,9 @@ def verify_sessions(target: CausalLM, caches: Sequence[KVCache], rows: Sequence[
                     want_hidden: bool = False) -> tuple[list[StepOutcome], list[KVCache]]:
     """verify_step for independent sessions, each with its own batch-1 cache (caches[i] for
     rows[i]), batched into one forward (on a target whose caches cannot be stacked, `stacks_caches`
-    false, each session's step runs on its own cache, as the target's `run_each` spreads them). -> (outcomes, each session's cache after the step: the
-    given one, updated in place, when alone; a new one when the caches had to be stacked)."""
+    false, each session's step runs on its own cache, as the target's `run_each` spreads them).
+    -> (outcomes, each session's cache after the step: the given one, updated in place, when
+    alone; a new one when the caches had to be stacked)."""
     if len(caches) == 1:
         return verify_step(target, caches[0], rows, want_hidden), list(caches)
     if not getattr(target, "stacks_caches", True):  # llama.cpp: each session's own context, see run_each

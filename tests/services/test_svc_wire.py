@@ -225,3 +225,16 @@ def test_shutdown_sets_health_not_serving_before_the_server_stops(tiny_target):
         return status
 
     assert run(scenario()) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_common_prefix_len_counts_the_shared_leading_tokens_of_lists_and_tuples():
+    import random
+
+    from specdec.verify import common_prefix_len
+
+    rng = random.Random(1)
+    for _ in range(2000):
+        a = [rng.randrange(3) for _ in range(rng.randrange(30))]
+        b = [rng.randrange(3) for _ in range(rng.randrange(30))]
+        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix_len(a, b) == common_prefix_len(tuple(a), b) == common_prefix_len(a, tuple(b)) == want
