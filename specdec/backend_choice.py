@@ -17,6 +17,7 @@ weights beside it (a model directory: torch; a .gguf path: llama.cpp, its one ba
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -51,30 +52,51 @@ def load_fastest(spec: Optional[str], methods: Sequence[str], costs: CostStore,
     if gguf is None or not methods or any(needs_trees(m) for m in methods):
         return load_model(spec, cache_dir=cache_dir, backend="auto")
     return load_faster(gguf, costs, {"fast": lambda: load_model(spec, cache_dir=cache_dir, backend="fast"),
-                                     "llamacpp": lambda: load_gguf_model(spec, cache_dir=cache_dir)})
+                                     "llamacpp": lambda: load_gguf_model(spec, cache_dir=cache_dir, costs=costs)})
 
 
-def load_faster(gguf: Path, costs: CostStore, loaders: dict[str, Callable[[], LoadedModel]]) -> LoadedModel:
+def load_faster(gguf: Path, costs: CostStore, loaders: dict[str, Callable[[], LoadedModel]],
+                check_llamacpp: Optional[Callable[[], None]] = None) -> LoadedModel:
     """The same target on whichever backend in CANDIDATES serves a typical request faster here
     (faster_backend); a model loaded to measure it is the one returned."""
     loaded: dict[str, LoadedModel] = {}
-    choice = faster_backend(gguf, costs, loaders, loaded)
+    choice = faster_backend(gguf, costs, loaders, loaded, check_llamacpp)
     return loaded.get(choice) or loaders[choice]()
 
 
 def faster_backend(gguf: Path, costs: CostStore, loaders: dict[str, Callable[[], LoadedModel]],
-                   loaded: Optional[dict[str, LoadedModel]] = None) -> str:
+                   loaded: Optional[dict[str, LoadedModel]] = None,
+                   check_llamacpp: Optional[Callable[[], None]] = None) -> str:
     """Which backend in CANDIDATES serves a typical request faster here: measured (every
     candidate loaded by loaders[name] and timed; kept in `loaded`) the first time, then read
-    from `costs`. gguf: the target's file (its identity is part of the key)."""
+    from `costs`. gguf: the target's file (its identity is part of the key).
+
+    llama.cpp is a candidate only once `check_llamacpp()` returns (default: its probe in a child
+    process against the "fast" model's greedy tokens, specdec.llamacpp.probe, kept in `costs`);
+    where it raises LlamaCppUnusable, its one line is said (costs.notify, else a warning) and
+    the answer is "fast"."""
     from specdec.llamacpp.model import gguf_identity
+    from specdec.llamacpp.probe import LlamaCppUnusable, require_usable, torch_reference
 
     loaded = {} if loaded is None else loaded
+
+    def reference(prompt: list[int], n: int) -> list[int]:
+        if "fast" not in loaded:
+            loaded["fast"] = loaders["fast"]()
+        return torch_reference(loaded["fast"].lm)(prompt, n)
+
+    try:
+        (check_llamacpp or (lambda: require_usable(gguf, costs, reference)))()
+    except LlamaCppUnusable as exc:
+        line = f"{exc}; running the float32 path (backend fast) instead"
+        costs.notify(line) if costs.notify is not None else logging.getLogger("specdec").warning(line)
+        return "fast"
 
     def measure() -> dict:
         figures = {}
         for name in CANDIDATES:
-            loaded[name] = loaders[name]()
+            if name not in loaded:
+                loaded[name] = loaders[name]()
             lm = loaded[name].lm
             figures[name] = measure_request_seconds(lm, cpu_time=thread_cpu_time_applies(lm))
         return {"choice": min(CANDIDATES, key=lambda n: figures[n]["request_s"]), **figures}

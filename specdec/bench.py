@@ -340,8 +340,10 @@ def _resolve_auto(config: BenchConfig, target: LoadedModel, backend: str) -> str
     gguf = dual_gguf(config.target) if config.device == "cpu" else None
     if backend != "auto" or gguf is None:
         return resolve_backend(target.lm.model, backend)
-    loaders = {"fast": lambda: _on_backend(target, "fast"), "llamacpp": lambda: load_gguf_model(config.target)}
-    return faster_backend(gguf, default_cost_store(EngineConfig()), loaders)
+    costs = default_cost_store(EngineConfig())
+    loaders = {"fast": lambda: _on_backend(target, "fast"),
+               "llamacpp": lambda: load_gguf_model(config.target, costs=costs)}
+    return faster_backend(gguf, costs, loaders)
 
 
 def _llamacpp_engine(config: BenchConfig, draft: Optional[LoadedModel]):

@@ -88,6 +88,20 @@ def best_k(alpha: float, c: float, v: VerifyCost, ks: Iterable[int] = range(1, 3
     return max(ks, key=lambda k: (predicted_speedup(alpha, k, c, v), -k))
 
 
+# The acceptance rate at which `auto` asks whether target-local speculation (prompt lookup) can
+# pay (prompt lookup's on the dev prompts was 0.49 on the fast backend).
+AUTO_ALPHA = 0.5
+
+
+def target_local_method(v: VerifyCost) -> str:
+    """What `auto` runs on the target alone, from its verify-cost curve: prompt lookup (k auto)
+    where a draft right half the time (AUTO_ALPHA) would pay, else plain (a compute-bound backend:
+    llama.cpp on a CPU, where a forward over k tokens costs ~k single steps). One rule for the
+    in-process engine and the target service."""
+    k = best_k(AUTO_ALPHA, 0.0, v, range(1, 9))
+    return "prompt-lookup" if predicted_speedup(AUTO_ALPHA, k, 0.0, v) > 1.0 else "plain"
+
+
 def _timed_forward(lm, cache, ids: torch.Tensor, clock: Callable[[], float] = time.perf_counter) -> float:
     """Seconds for one forward over ids [1, k] on top of the cache; the new slots are dropped again."""
     q = ids.shape[1]
@@ -234,7 +248,7 @@ def measure_request_seconds(lm, prompt_tokens: int = TYPICAL_PROMPT_TOKENS, new_
     return {"prefill_s": prefill_s, "step_s": step_s, "request_s": prefill_s + new_tokens * step_s}
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -254,7 +268,7 @@ def _version(dist: str) -> str:
 def machine_identity(device: torch.device) -> dict:
     """What a measured cost depends on besides the model: the processor (and accelerator), the
     libraries that run the forward, and the threads torch uses."""
-    ident = {"cpu": _cpu_model(), "cpus": os.cpu_count(), "arch": platform.machine(),
+    ident = {"cpu": cpu_model(), "cpus": os.cpu_count(), "arch": platform.machine(),
              "torch": torch.__version__, "transformers": _version("transformers"), "specdec": _version("specdec"),
              "threads": torch.get_num_threads()}
     if device.type == "cuda":

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from specdec.costmodel import CostStore, best_k, predicted_speedup
+from specdec.costmodel import CostStore, target_local_method
 from specdec.decode import KSchedule, OnEmit, plain_generate, speculative_generate
 from specdec.errors import InvalidRequest
 from specdec.models import LoadedModel, backend_name, check_compatible, format_prompt, load_model, user_cache_dir
@@ -19,9 +19,6 @@ from specdec.types import GenerationResult, SamplingParams, StopConditions
 
 # The method `specdec generate` uses unless told: see Engine.resolve_method.
 AUTO = "auto"
-# The acceptance rate at which "auto" asks whether speculation can pay (prompt lookup's on the
-# dev prompts was 0.49 on the fast backend: README's benchmark).
-AUTO_ALPHA = 0.5
 
 
 @dataclass(frozen=True)
@@ -92,7 +89,8 @@ class Engine:
 
             self.target: LoadedModel = load_fastest(config.target, config.methods, self.costs, config.cache_dir)
         else:
-            self.target = load_model(config.target, cache_dir=config.cache_dir, backend=config.backend)
+            self.target = load_model(config.target, cache_dir=config.cache_dir, backend=config.backend,
+                                     costs=self.costs)
         self.draft: Optional[LoadedModel] = None
         if config.draft is not None:
             self.draft = _load_draft(config.draft, self.target, config)
@@ -135,15 +133,13 @@ class Engine:
 
     def resolve_method(self, method: str) -> str:
         """method as given, or for "auto": prompt lookup (k auto) where the target's measured
-        verify cost lets a draft that is right half the time pay (AUTO_ALPHA; its k auto then
+        verify cost lets a draft that is right half the time pay (costmodel.target_local_method; its k auto then
         follows each row's real acceptance), else plain: on a compute-bound backend (llama.cpp on a
         CPU: a forward over k tokens costs ~k single steps) speculation cannot pay and auto never
         probes for it."""
         if method != AUTO:
             return method
-        v = self.costs.verify_cost(self.target.lm)
-        k = best_k(AUTO_ALPHA, 0.0, v, range(1, 9))
-        return "prompt-lookup" if predicted_speedup(AUTO_ALPHA, k, 0.0, v) > 1.0 else PLAIN
+        return target_local_method(self.costs.verify_cost(self.target.lm))
 
     def k_schedule(self, method: str, k: "KSchedule | int | str") -> KSchedule | int:
         """k as given, or for "auto": for draft and prompt-lookup, the cost-aware schedule from

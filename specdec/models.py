@@ -187,13 +187,14 @@ def wrap_model(model: torch.nn.Module, name: str, backend: str = "hf") -> Causal
 
 
 def load_model(spec: Optional[str] = None, *, cache_dir: Optional[Path] = None, device: str = "cpu",
-               dtype: torch.dtype = torch.float32, backend: str = "hf") -> LoadedModel:
+               dtype: torch.dtype = torch.float32, backend: str = "hf", costs=None) -> LoadedModel:
     """spec: None or DEFAULT_TARGET for the embedded default, a local model directory, or a hub id.
-    backend: one of BACKENDS."""
+    backend: one of BACKENDS. costs: the CostStore that keeps llama.cpp's probe verdict (GGUF
+    files; default: the user's cache folder)."""
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "llamacpp" or (spec is not None and spec.endswith(".gguf")):
-        return load_gguf_model(spec, cache_dir=cache_dir, backend=backend)
+        return load_gguf_model(spec, cache_dir=cache_dir, backend=backend, costs=costs)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if spec is None or spec == DEFAULT_TARGET:
@@ -216,13 +217,20 @@ def load_model(spec: Optional[str] = None, *, cache_dir: Optional[Path] = None, 
 
 
 def load_gguf_model(spec: Optional[str] = None, *, cache_dir: Optional[Path] = None,
-                    backend: str = "llamacpp") -> LoadedModel:
+                    backend: str = "llamacpp", costs=None, reference=None) -> LoadedModel:
     """A GGUF file on llama.cpp: spec None (or DEFAULT_TARGET) for the embedded default's file, or
     a .gguf path. The tokenizer: the converted default's (when cached), else read from the GGUF
-    by transformers (None when it has no usable vocabulary, e.g. a test model)."""
+    by transformers (None when it has no usable vocabulary, e.g. a test model).
+
+    llama.cpp's first run on this machine, build and file is a probe in a child process
+    (specdec.llamacpp.probe), its verdict kept in `costs` (default: the user's cache folder): a
+    build that crashes, hangs or computes wrong tokens raises LlamaCppUnusable (a ModelLoadError)
+    instead of taking this process down. reference(prompt, n): the same model's greedy tokens
+    elsewhere (default for the embedded target: its float32 copy on the fast path)."""
     from transformers import AutoTokenizer
 
     from specdec.llamacpp import LlamaCppLM
+    from specdec.llamacpp.probe import require_usable, torch_reference
 
     if backend not in ("auto", "llamacpp"):
         raise ModelLoadError(f"a GGUF file runs on backend llamacpp, not {backend!r}")
@@ -230,6 +238,14 @@ def load_gguf_model(spec: Optional[str] = None, *, cache_dir: Optional[Path] = N
     path = embedded_gguf_path() if default else Path(spec)
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
+    if reference is None and default:
+        def reference(prompt: list[int], n: int) -> list[int]:
+            return torch_reference(load_model(DEFAULT_TARGET, cache_dir=cache_dir, backend="fast").lm)(prompt, n)
+    if costs is None:
+        from specdec.costmodel import CostStore
+
+        costs = CostStore(user_cache_dir() / "costs")
+    require_usable(path, costs, reference)
     converted = (cache_dir or default_cache_dir()) / DEFAULT_TARGET
     try:
         if default and _is_model_dir(converted):

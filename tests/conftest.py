@@ -29,11 +29,17 @@ def tiny_draft(tiny_target) -> CausalLM:
 
 
 def gguf_copy(lm: CausalLM, path: Path, threads: int = 1, context=None):
-    """The same weights written as a GGUF file at `path` (float32) and loaded on llama.cpp."""
+    """The same weights written as a GGUF file at `path` (float32) and loaded on llama.cpp, after
+    its probe (a child process): a llama.cpp build that crashes fails the test with one line
+    instead of killing the test run."""
     from specdec.llamacpp import LlamaCppLM
     from specdec.llamacpp.convert import write_llama_gguf
+    from specdec.llamacpp.probe import require_usable, torch_reference
+    from specdec.models import user_cache_dir
 
-    return LlamaCppLM(write_llama_gguf(lm.model, path), threads=threads, context=context)
+    path = write_llama_gguf(lm.model, path)
+    require_usable(path, CostStore(user_cache_dir() / "costs"), torch_reference(lm))
+    return LlamaCppLM(path, threads=threads, context=context)
 
 
 class FixedCosts(CostStore):

@@ -38,6 +38,7 @@ import torch
 from specdec.errors import InvalidRequest, ModelLoadError
 from specdec.lm import ForwardOutput
 from specdec.llamacpp.blocks import NotATree, block_parents, kept_path_end
+from specdec.llamacpp.build import build_identity
 
 
 def _lib():
@@ -386,14 +387,16 @@ def _floats(pointer, n: int) -> torch.Tensor:
 
 def gguf_identity(path: Path) -> dict:
     """What a cost measured on this GGUF file depends on, read without loading it: the file
-    (size, a digest of its first MiB) and the llama.cpp build."""
+    (size, a digest of its first MiB) and the llama.cpp build (its version, and a digest of its
+    shared libraries: the same version compiled with other flags runs other kernels)."""
     with Path(path).open("rb") as f:
         head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
     try:
         version = metadata.version("llama_cpp_python")
     except metadata.PackageNotFoundError:
         version = "none"
-    return {"file_bytes": Path(path).stat().st_size, "file_head": head, "llama_cpp": version}
+    return {"file_bytes": Path(path).stat().st_size, "file_head": head, "llama_cpp": version,
+            "llama_build": build_identity()}
 
 
 def _check_chain(block_mask: Optional[torch.Tensor], depth: Optional[torch.Tensor], b: int, fed: list[int]) -> None:

@@ -40,21 +40,21 @@ def _backend_choice(cache_home) -> dict:
 
 def test_generate_prints_the_answer_then_one_stats_line_and_no_progress_bars(cache_home, real):
     first_out, first_err = _generate(cache_home)  # a fresh machine: picks its backend once
-    assert first_err.startswith("specdec: measuring which backend runs the target fastest"), first_err
+    said = first_err.splitlines()
+    assert said[0].startswith("specdec: measuring whether llama.cpp runs correctly here"), first_err  # its probe
+    assert said[1].startswith("specdec: measuring which backend runs the target fastest"), first_err
     stdout, stderr = _generate(cache_home)
     assert stderr == "", stderr  # no "Loading weights" bar, no warnings, nothing measured again
     assert stdout.split("\n[")[0] == first_out.split("\n[")[0]  # the same answer
     *answer, stats = stdout.rstrip("\n").split("\n")
     chosen = _backend_choice(cache_home)
     faster = min(("fast", "llamacpp"), key=lambda b: chosen[b]["request_s"])
-    assert chosen["choice"] == faster
-    # The embedded default is a Q4_1 GGUF: llama.cpp runs it several times faster than float32 torch here.
-    assert faster == "llamacpp", chosen
+    assert chosen["choice"] == faster  # (which one wins depends on the host: not asserted)
     want = Engine(EngineConfig(backend=faster)).complete(PROMPT, stop=StopConditions(max_new_tokens=24)).text
     # (Not "Paris" on llama.cpp: its quantized arithmetic answers "L'Étoile, ..." here, as
     # llama-cpp-python's own chat completion does; the float32 fast path answers "Paris".)
     assert "\n".join(answer) == want and want
-    assert stats.startswith(f"[auto: plain on {faster}] ") and "tok/s" in stats
+    assert stats.startswith("[auto: ") and f" on {faster}] " in stats and "tok/s" in stats
 
 
 def test_generate_measures_costs_once_per_machine_and_reuses_them(cache_home):
