@@ -13,6 +13,7 @@ PING over a raw socket, so this module needs no Redis client library.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import shutil
 import signal
@@ -63,6 +64,14 @@ def _redis_command(port: int, *words: str, timeout: float = 1.0, password: Optio
             return b""
 
 
+def die_with_parent() -> None:
+    """Popen's preexec_fn: the child is sent SIGKILL when the thread that started it dies (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing), so a test run or `specdec up` killed by a signal, which
+    runs no clean-up, leaves no redis-server or service behind."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
 @dataclass
 class RedisServer:
     """A real redis-server on 127.0.0.1, no persistence; stop() shuts it down."""
@@ -84,7 +93,7 @@ class RedisServer:
             [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.dir.name, "--protected-mode", "yes",
              *(("--requirepass", self.password) if self.password else ()), *self.extra_args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
@@ -146,7 +155,7 @@ class Service:
         out = open(self.log_path, "ab") if self.log_path else None  # append: a restart keeps the earlier log
         try:
             self.proc = subprocess.Popen(self.argv, stdout=out or subprocess.DEVNULL,
-                                         stderr=subprocess.STDOUT if out else None)
+                                         stderr=subprocess.STDOUT if out else None, preexec_fn=die_with_parent)
         finally:
             if out is not None:
                 out.close()  # the child holds its own copy

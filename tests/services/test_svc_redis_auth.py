@@ -159,7 +159,7 @@ def tls_redis(tmp_path):
 
     import redis as syncredis
 
-    from specdec.rpc.launcher import free_port
+    from specdec.rpc.launcher import die_with_parent, free_port
 
     ca = make_ca(tmp_path, "redis-ca")
     cert, key = ca.issue("redis", hosts=("127.0.0.1",))
@@ -168,7 +168,8 @@ def tls_redis(tmp_path):
                              "--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-cert-file", ca.cert,
                              "--tls-auth-clients", "no", "--save", "", "--appendonly", "no", "--dir", str(tmp_path),
                              "--requirepass", ADMIN_PW, "--user", "specdec", "on", f">{USER_PW}", "~specdec:*",
-                             "+@all", "-@dangerous"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "+@all", "-@dangerous"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=die_with_parent)
     client = syncredis.Redis(host="127.0.0.1", port=port, password=ADMIN_PW, ssl=True, ssl_ca_certs=ca.cert,
                              socket_timeout=1)
     try:
