@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Optional, 
 from specdec.errors import FailedPrecondition, InvalidRequest, NotFound, Overloaded, Unavailable
 from specdec.rpc.metrics import ServiceMetrics
 from specdec.sessions import check_session_id, check_token_ids
+from specdec.step_choice import StepRates
 from specdec.stopping import IncrementalText, StopChecker, cut_at_stop_string
 from specdec.types import ModelInfo, SamplingParams, StopConditions
 from coordinator.records import STORE_DOWN, SessionRecord
@@ -99,6 +100,7 @@ class Coordinator:
         self.metrics = metrics or ServiceMetrics("coordinator")
         self.runs: dict[str, SessionRun] = {}
         self.background: set[asyncio.Task] = set()  # fire-and-forget calls (cache releases)
+        self.step_rates = StepRates()  # auto: drafting or the target alone, by measured cost per token
         self._info: Optional[ModelInfo] = None
         self._tokenizer = None
         self._longest_token = 1  # characters of the tokenizer's longest vocabulary entry

@@ -1,7 +1,13 @@
 """One session's generation loop: propose (draft service), verify (target service), commit to
 Redis, tell the streams; target-side Decode when the draft is out; pipelining.
 
-Order of a step (draft available):
+Method auto takes each step the way that has cost less per emitted token so far, drafting or the
+target alone (Decode "auto": plain or prompt lookup, as the target's own costs decide), measured
+end to end (specdec.step_choice); a seeded sampled session always the target alone (the way a
+step is taken decides which random draws it makes: moving it by measurements would break its
+reproducibility). Method draft always drafts.
+
+Order of a drafted step (draft available):
 1. Propose block i on the session's draft replica (or take the block drafted ahead, if it was
    drafted from exactly the tokens now committed: a pipeline hit).
 2. With pipelining on, start drafting block i+1 from the optimistic prefix (committed + block i
@@ -31,6 +37,7 @@ from typing import TYPE_CHECKING, Optional, Protocol
 from specdec.errors import (FailedPrecondition, InvalidRequest, NotFound, Overloaded, RemoteError, SpecdecError,
                             Unavailable)
 from specdec.sessions import PrefixDigests, extend_digest
+from specdec.step_choice import DRAFT, LOCAL, StepRates
 from specdec.stopping import StopChecker
 from specdec.types import DraftBlock, GenerationStats, SamplingParams, StopConditions
 from specdec.verify import common_prefix_len
@@ -57,6 +64,7 @@ class RunHost(Protocol):
     settings: CoordinatorSettings
     metrics: ServiceMetrics
     background: set[asyncio.Task]  # fire-and-forget calls the host awaits on close
+    step_rates: StepRates  # what each way of taking a step has cost per token (auto's choice)
 
     @property
     def vocab_size(self) -> int: ...
@@ -129,6 +137,11 @@ class SessionRun:
     @property
     def session_id(self) -> str:
         return self.rec.session_id
+
+    @property
+    def _seeded(self) -> bool:
+        """Sampled with a seed: reproducible only if every run takes its steps the same way."""
+        return not self.sampling.greedy and self.sampling.seed is not None
 
     @property
     def verified_all(self) -> bool:
@@ -232,16 +245,29 @@ class SessionRun:
             if k < 1:  # one token left: a plain step, no draft needed
                 return (await self._verify(DraftBlock((), None, None))).emitted
             draft = None if self.draft_refused else self.coord.draft_pool.pick(self.session_id)
+            rates = self.coord.step_rates
+            # auto: drafting or the target alone, whichever has cost less per token (specdec.step_choice);
+            # a seeded sampled session always the target alone: its random draws depend on the way
+            way = DRAFT if self.method == "draft" else LOCAL if self._seeded else rates.choose(draft is not None)
+            t = time.perf_counter()
+            if way == LOCAL:
+                emitted = await self._decode("auto", min(remaining, self.coord.settings.decode_chunk),
+                                             fallback=draft is None)
+                if draft is not None:
+                    rates.record(LOCAL, time.perf_counter() - t, len(emitted))
+                return emitted
             if draft is not None:
-                t = time.perf_counter()
+                warm = draft.address == self.draft_addr  # a step that loads the session first is not timed
                 try:
                     block = await self._propose(draft, k)
                 except DraftOut:
                     pass
                 else:
-                    t = self._timed("propose", t)
+                    t_verify = self._timed("propose", t)
                     verdict = await self._verify(block)
-                    self._timed("verify", t)
+                    self._timed("verify", t_verify)
+                    if warm:
+                        rates.record(DRAFT, time.perf_counter() - t, len(verdict.emitted))
                     return verdict.emitted
             return await self._decode("", min(remaining, self.coord.settings.fallback_chunk), fallback=True)
         return await self._decode("" if self.method == "target" else self.method,
@@ -286,7 +312,10 @@ class SessionRun:
                     self.coord.target_pool.mark_failed(rep.address, str(exc))
 
         async with asyncio.TaskGroup() as tg:
-            if self.method in DRAFT_METHODS and (rep := self.coord.draft_pool.pick(self.session_id)) is not None:
+            # auto loads the draft only while drafting is the faster way (a step loads it when needed)
+            wanted = self.method == "draft" or (self.method in DRAFT_METHODS and not self._seeded
+                                                and self.coord.step_rates.wants_draft())
+            if wanted and (rep := self.coord.draft_pool.pick(self.session_id)) is not None:
                 tg.create_task(draft(rep))
             if (rep := self.coord.target_pool.pick(self.session_id)) is not None:
                 tg.create_task(target(rep))

@@ -19,6 +19,7 @@ Serves grpc.health.v1 ("" and specdec.rpc.v1.TargetService), reflection, and /me
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 from typing import Optional, Sequence
@@ -38,12 +39,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_target(args: argparse.Namespace):
-    """The target model the flags name -> specdec.models.LoadedModel."""
+    """The target model the flags name -> specdec.models.LoadedModel. `--backend auto` on the CPU
+    means what it means for `specdec generate`: for a target that both llama.cpp and torch run (the
+    embedded default), whichever serves a typical request faster here, measured once and kept
+    (specdec.backend_choice); llama.cpp only after its probe passed on this machine and build."""
     apply_threads(args)
+    from specdec.engine import EngineConfig, default_cost_store
     from specdec.models import load_model
 
     device, dtype = model_placement(args)
-    return load_model(args.target, device=device, dtype=dtype, backend=args.backend)
+    config = EngineConfig(target=args.target, backend=args.backend)
+    costs = default_cost_store(config, notify=logging.getLogger("target_service").info)
+    if args.backend == "auto" and device == "cpu":
+        from specdec.backend_choice import load_fastest
+
+        return load_fastest(args.target, ("auto",), costs)
+    return load_model(args.target, device=device, dtype=dtype, backend=args.backend, costs=costs)
+
+
+def tokenizer_dir_of(loaded, keep: list) -> Optional[str]:
+    """A directory holding the target's tokenizer files, which the service ships to the
+    coordinator (Info): the model directory itself, or, for a GGUF file, its tokenizer written
+    out by transformers into a temporary directory (appended to `keep`, which holds it open)."""
+    import os
+    import tempfile
+
+    if loaded.path and os.path.isdir(loaded.path):
+        return loaded.path
+    if loaded.tokenizer is None:
+        return None
+    tmp = tempfile.TemporaryDirectory(prefix="specdec-target-tokenizer-")
+    loaded.tokenizer.save_pretrained(tmp.name)
+    keep.append(tmp)
+    return tmp.name
 
 
 async def serve_target(lm, tokenizer_dir: Optional[str], args: argparse.Namespace) -> None:
@@ -54,6 +82,7 @@ async def serve_target(lm, tokenizer_dir: Optional[str], args: argparse.Namespac
     settings = TargetSettings(max_sessions=args.max_sessions, max_batch=args.max_batch,
                               batch_window_ms=args.batch_window_ms, max_k=args.max_k)
     running = await start_target_server(lm, server_settings(args), settings, tokenizer_dir=tokenizer_dir)
+    await asyncio.to_thread(running.core.local_method)  # Decode "auto"'s method, measured once, before requests
     logging.getLogger("target_service").info(
         "target service (%s, methods: %s) listening on %s:%d, metrics on %s", lm.name,
         ", ".join(running.core.available_methods()), args.host, running.port, running.metrics_port)
@@ -62,7 +91,12 @@ async def serve_target(lm, tokenizer_dir: Optional[str], args: argparse.Namespac
 
 async def _serve(args: argparse.Namespace) -> None:
     loaded = load_target(args)
-    await serve_target(loaded.lm, loaded.path, args)
+    keep: list = []
+    try:
+        await serve_target(loaded.lm, tokenizer_dir_of(loaded, keep), args)
+    finally:
+        for tmp in keep:
+            tmp.cleanup()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -20,9 +20,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from specdec.costmodel import CostStore
 from specdec.decode import KSchedule, RowProgress
 from specdec.errors import FailedPrecondition, InvalidRequest, NotFound
 from specdec.lm import CausalLM
+from specdec.models import user_cache_dir
 from specdec.proposers import PROPOSERS, Proposer, ProposerEnv, ProposerFactory, load_proposer
 from specdec.rpc.batching import MicroBatcher
 from specdec.rpc.metrics import ServiceMetrics
@@ -104,9 +106,11 @@ def check_draft(kind: Optional[DraftKind], k: int, draft_probs: Optional[torch.T
 class TargetCore:
     def __init__(self, target: CausalLM, settings: TargetSettings = TargetSettings(),
                  metrics: Optional[ServiceMetrics] = None, tokenizer_dir: Optional[str] = None,
-                 methods: Optional[dict[str, ProposerFactory]] = None):
+                 methods: Optional[dict[str, ProposerFactory]] = None, costs: Optional[CostStore] = None):
         self.target = target
         self.settings = settings
+        self.costs = costs if costs is not None else CostStore(user_cache_dir() / "costs")
+        self._local_method: Optional[str] = None
         self.metrics = metrics or ServiceMetrics("target")
         self.tokenizer_dir = tokenizer_dir
         self.sessions: SessionTable[TargetSession] = SessionTable(settings.max_sessions, TargetSession,
@@ -236,7 +240,20 @@ class TargetCore:
         async with sess.lock:
             return await self.batcher.submit(_Step(sess, pos, ids, draft_probs, sampling))
 
+    def local_method(self) -> str:
+        """What Decode(method="auto") runs: the target-local method the measured verify cost of
+        this model on this machine favours (costmodel.target_local_method, the rule `specdec
+        generate --method auto` follows); measured once (kept in the cost store), at start-up."""
+        if self._local_method is None:
+            from specdec.costmodel import target_local_method
+
+            method = target_local_method(self.costs.verify_cost(self.target))
+            self._local_method = method if method == "plain" or method in self.methods else "plain"
+        return self._local_method
+
     def resolve_method(self, method: str) -> str:
+        if method == "auto":
+            return self.local_method()
         if not method:
             return next(m for m in FALLBACK_ORDER if m == "plain" or m in self.methods)
         if method != "plain" and method not in self.methods:
@@ -252,6 +269,8 @@ class TargetCore:
         if max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")
         self._check_position(pos.committed_len, pos.new_token_ids, max_tokens)
+        if method == "auto" and self._local_method is None:  # measured once: off the event loop
+            await asyncio.to_thread(self.local_method)
         method = self.resolve_method(method)
         stop = StopConditions(max_tokens, tuple(int(t) for t in stop_token_ids))
         progress = RowProgress(StopChecker(stop), KSchedule(k=k))

@@ -61,10 +61,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
 async def start_target_server(target: CausalLM, server: ServerSettings = ServerSettings(),
                               settings: TargetSettings = TargetSettings(), tokenizer_dir: Optional[str] = None,
-                              methods=None) -> RunningServer:
-    """Start the target service on a model already in memory (tests pass tiny models)."""
+                              methods=None, costs=None) -> RunningServer:
+    """Start the target service on a model already in memory (tests pass tiny models). costs: the
+    CostStore its automatic choices read (default: the user's cache folder)."""
     metrics = ServiceMetrics("target")
-    core = TargetCore(target, settings, metrics, tokenizer_dir=tokenizer_dir, methods=methods)
+    core = TargetCore(target, settings, metrics, tokenizer_dir=tokenizer_dir, methods=methods, costs=costs)
     running = await start_server(
         server, lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(core), s),
         [SERVICE_NAME], metrics)

@@ -22,6 +22,8 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target-backend", default="auto", choices=["auto", "hf", "fast", "llamacpp"],
                    help="how the target service runs its model (its --backend; llamacpp: the GGUF on llama.cpp, "
                         "no Lookahead, Medusa as a chain); the draft service keeps its draft on torch")
+    p.add_argument("--threads", type=int, default=0,
+                   help="threads of the target and of the draft service each (0: each model's default, a thread per core)")
     p.add_argument("--pipeline", action="store_true", help="draft the next block while the target verifies")
     p.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoints (9451, 9461, 9462)")
     p.add_argument("--log-dir", default=None, help="write each service's log here (default: this terminal)")
@@ -36,17 +38,25 @@ def _interrupt(signum, frame):
 def _cmd_up(args: argparse.Namespace) -> int:
     import signal
 
+    from specdec.errors import SpecdecError
     from specdec.rpc.launcher import start_stack
 
+    if args.log_dir:  # made (or refused) before anything starts
+        try:
+            os.makedirs(args.log_dir, exist_ok=True)
+        except OSError as exc:
+            raise SpecdecError(f"--log-dir {args.log_dir}: cannot create it ({exc.strerror})") from None
     # Ctrl-C, and SIGTERM (also when started in the background, where SIGINT may be ignored) stop everything.
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
+    threads = ["--threads", str(args.threads)] if args.threads > 0 else []
     print("specdec up: starting redis-server, target, draft and coordinator (loading models takes a while)...",
           file=sys.stderr)
     stack = start_stack(args.host, (args.port, args.draft_port, args.target_port), args.redis_port, args.draft,
                         args.target, args.pipeline, metrics=not args.no_metrics, timeout=args.timeout,
                         log_dir=args.log_dir, http_port=None if args.http_port < 0 else args.http_port,
-                        extra={"target": ["--backend", args.target_backend]})
+                        extra={"target": ["--backend", args.target_backend, *threads],
+                               "draft": threads})
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     try:
         print(f"redis        {stack.redis.url}  (pid {stack.redis.proc.pid})")

@@ -104,7 +104,8 @@ def test_pipelined_output_equals_plain_and_uses_drafted_ahead_blocks(redis_url, 
 
     async def scenario():
         async with local_stack(redis_url, long_target, good_draft, settings=replace(FAST, pipeline=True)) as st:
-            return await asyncio.gather(*(st.client.generate(st.client.request(token_ids=p, max_tokens=40))
+            return await asyncio.gather(*(st.client.generate(st.client.request(token_ids=p, max_tokens=40,
+                                                                                method="draft"))
                                           for p in PROMPTS))
 
     outs = run(scenario())
@@ -114,16 +115,52 @@ def test_pipelined_output_equals_plain_and_uses_drafted_ahead_blocks(redis_url, 
     assert sum(o.stats["pipeline_misses"] for o in outs) > 0
 
 
-def test_seeded_sampling_through_the_services_is_reproducible(redis_url, long_target, weak_draft):
+@pytest.mark.parametrize("method", ["draft", "auto"])
+def test_seeded_sampling_through_the_services_is_reproducible(redis_url, long_target, weak_draft, method):
+    """Under auto too: the way a step is taken decides which random draws a seeded session makes,
+    so a seeded request is not moved between ways by measurements (step_choice)."""
     sampling = SamplingParams(temperature=0.9, top_k=20, seed=1234)
 
     async def scenario():
         async with local_stack(redis_url, long_target, weak_draft) as st:
-            a = await st.client.generate(st.client.request(token_ids=PROMPTS[0], max_tokens=30, sampling=sampling))
-            b = await st.client.generate(st.client.request(token_ids=PROMPTS[0], max_tokens=30, sampling=sampling))
-            return a, b
+            return [await st.client.generate(st.client.request(token_ids=PROMPTS[0], max_tokens=30, sampling=sampling,
+                                                               method=method)) for _ in range(3)]
 
-    a, b = run(scenario())
-    assert a.token_ids == b.token_ids and len(a.token_ids) == 30
-    assert a.stats["drafted"] > 0
+    a, b, c = run(scenario())
+    assert a.token_ids == b.token_ids == c.token_ids and len(a.token_ids) == 30
+    assert a.stats["drafted"] > 0 or method == "auto"
     assert a.token_ids != tuple(_plain(long_target, PROMPTS[0], 30).token_ids)
+
+
+@pytest.mark.parametrize("slow_way", ["draft", "target"])
+def test_auto_takes_the_way_that_costs_less_per_token_and_equals_plain(redis_url, long_target, good_draft, slow_way):
+    """auto measures drafting and the target alone end to end and keeps to the cheaper one; the
+    output is plain decoding's either way."""
+    from tests.services.stack import slow
+
+    target, draft = (slow(long_target, 30), good_draft) if slow_way == "target" else (long_target, slow(good_draft, 30))
+    prompts = [p for p in PROMPTS for _ in range(2)]
+
+    async def scenario():
+        async with local_stack(redis_url, target, draft) as st:
+            outs, proposes = [], []
+            for p in prompts:  # one after another: each sees what the earlier ones measured
+                outs.append(await st.client.generate(st.client.request(token_ids=p, max_tokens=48, method="auto")))
+                proposes.append(_propose_calls(st.core.metrics))
+            return outs, dict(st.core.step_rates.seconds_per_token), proposes
+
+    outs, rates, proposes = run(scenario(), timeout=300)
+    for p, out in zip(prompts, outs):
+        assert_greedy_equal(long_target, p, out.token_ids, _plain(long_target, p, 48).token_ids)
+    assert set(rates) == {"local", "draft"}, "auto did not measure both ways"
+    later = proposes[-1] - proposes[1]  # draft-service steps after the first two sessions measured both ways
+    if slow_way == "draft":
+        assert rates["draft"] > rates["local"] and later <= 3, "auto kept drafting on a slow draft"
+    else:  # each target forward costs 30 ms: verifying 4 drafted tokens at once beats 1 token per forward
+        assert rates["draft"] < rates["local"] and later >= 20, "auto did not keep to the faster draft"
+
+
+def _propose_calls(metrics) -> int:
+    """Steps drafted on the draft service so far (the coordinator's propose timings)."""
+    return int(next(s.value for s in metrics.step_phase.collect()[0].samples
+                    if s.name.endswith("_count") and s.labels.get("phase") == "propose"))

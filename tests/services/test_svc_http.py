@@ -23,6 +23,7 @@ from specdec.rpc.launcher import free_port
 from specdec.rpc.security import ServerTLS, token_hash
 from specdec.rpc.serving import ServerSettings
 from specdec.types import StopConditions
+from tests.conftest import gguf_copy
 from tests.services.stack import FAST, TEXT_VOCAB, local_stack, run, save_char_tokenizer, slow
 from tests.tlscerts import make_ca
 
@@ -38,8 +39,9 @@ def text_models(tmp_path_factory):
     return lm, perturbed_copy(lm, noise=0.05, seed=3), save_char_tokenizer(tmp_path_factory.mktemp("char-tok"))
 
 
-def _expected(lm, tokenizer_dir, n: int, chat=None, text=None) -> tuple[str, int]:
-    """(plain decoding's text, the prompt's token count) for the same prompt, in process."""
+def _expected(lm, tokenizer_dir, n: int, chat=None, text=None) -> tuple[str, int, str, int]:
+    """(plain decoding's text, the prompt's token count, its finish reason and generated token
+    count) for the same prompt, in process."""
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     if chat is not None:
         ids = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
@@ -47,7 +49,7 @@ def _expected(lm, tokenizer_dir, n: int, chat=None, text=None) -> tuple[str, int
     else:
         ids = list(tok(text, add_special_tokens=True)["input_ids"])
     out = plain_generate(lm, [ids], stop=StopConditions(max_new_tokens=n, eos_token_ids=lm.eos_token_ids))[0]
-    return tok.decode(list(out.token_ids), skip_special_tokens=True), len(ids)
+    return tok.decode(list(out.token_ids), skip_special_tokens=True), len(ids), out.finish_reason, len(out.token_ids)
 
 
 def _sdk(st, key: str = "unused") -> openai.AsyncOpenAI:
@@ -60,9 +62,13 @@ async def _model(st) -> str:
 
 # --- the SDK: greedy output, usage, streaming ----------------------------------------------------
 
-@pytest.mark.parametrize("method", ["draft", "plain"])
-def test_sdk_chat_and_completions_equal_plain_decoding_streaming_and_not(redis_url, text_models, method):
+@pytest.mark.parametrize("backend,method", [("torch", "draft"), ("torch", "plain"), ("llamacpp", "auto"),
+                                            ("llamacpp", "draft")])
+def test_sdk_chat_and_completions_equal_plain_decoding_streaming_and_not(redis_url, text_models, tmp_path, backend,
+                                                                         method):
     lm, draft, tokenizer_dir = text_models
+    if backend == "llamacpp":  # the same weights as a GGUF on llama.cpp: text works there too
+        lm = gguf_copy(lm, tmp_path / "text.gguf", context=512)
     n = 24
 
     async def scenario():
@@ -84,28 +90,30 @@ def test_sdk_chat_and_completions_equal_plain_decoding_streaming_and_not(redis_u
             return chat, text, chat_chunks, text_chunks, models, model
 
     chat, text, chat_chunks, text_chunks, models, model = run(scenario())
-    want_chat, chat_prompt = _expected(lm, tokenizer_dir, n, chat=CHAT)
-    want_text, text_prompt = _expected(lm, tokenizer_dir, n, text=TEXT)
+    # (The GGUF copy stops at an EOS id, which the torch model has none of: its answers may be shorter.)
+    want_chat, chat_prompt, chat_finish, chat_n = _expected(lm, tokenizer_dir, n, chat=CHAT)
+    want_text, text_prompt, text_finish, text_n = _expected(lm, tokenizer_dir, n, text=TEXT)
     assert chat.choices[0].message.content == want_chat and chat.choices[0].message.role == "assistant"
     assert text.choices[0].text == want_text
-    assert chat.choices[0].finish_reason == text.choices[0].finish_reason == "length"
+    assert (chat.choices[0].finish_reason, text.choices[0].finish_reason) == (chat_finish, text_finish)
+    assert backend == "llamacpp" or chat_finish == text_finish == "length"
     assert (chat.usage.prompt_tokens, chat.usage.completion_tokens, chat.usage.total_tokens) == \
-           (chat_prompt, n, chat_prompt + n)
-    assert (text.usage.prompt_tokens, text.usage.completion_tokens) == (text_prompt, n)
+           (chat_prompt, chat_n, chat_prompt + chat_n)
+    assert (text.usage.prompt_tokens, text.usage.completion_tokens) == (text_prompt, text_n)
     stats = chat.model_extra["specdec"]
-    assert stats["method"] == method and stats["emitted"] == n and stats["target_forwards"] >= 1
-    assert stats["tokens"] == n and len(stats["session_id"]) >= 8
+    assert stats["method"] == method and stats["emitted"] == chat_n and stats["target_forwards"] >= 1
+    assert stats["tokens"] == chat_n and len(stats["session_id"]) >= 8
     if method == "draft":
         assert stats["drafted"] > 0 and 0 < stats["alpha"] <= 1 and stats["tau"] > 1
 
     assert "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices) == want_chat
     assert chat_chunks[0].choices[0].delta.role == "assistant"
-    assert [c.choices[0].finish_reason for c in chat_chunks if c.choices][-1] == "length"
-    assert chat_chunks[-1].choices == [] and chat_chunks[-1].usage.completion_tokens == n
+    assert [c.choices[0].finish_reason for c in chat_chunks if c.choices][-1] == chat_finish
+    assert chat_chunks[-1].choices == [] and chat_chunks[-1].usage.completion_tokens == chat_n
     assert chat_chunks[-1].usage.prompt_tokens == chat_prompt
     assert all(c.usage is None for c in chat_chunks[:-1])
     assert "".join(c.choices[0].text for c in text_chunks) == want_text
-    assert text_chunks[-1].choices[0].finish_reason == "length" and text_chunks[-1].usage is None
+    assert text_chunks[-1].choices[0].finish_reason == text_finish and text_chunks[-1].usage is None
 
     assert [m.id for m in models.data] == [model]
     assert {"auto", "draft", "plain"} <= set(models.data[0].model_extra["specdec"]["methods"])
@@ -132,7 +140,7 @@ def test_a_session_named_in_the_extension_resumes_from_a_position(redis_url, tex
             return first, again, other
 
     first, again, other = run(scenario())
-    want, _ = _expected(lm, tokenizer_dir, 16, text=TEXT)
+    want = _expected(lm, tokenizer_dir, 16, text=TEXT)[0]
     assert first.choices[0].text == want and first.model_extra["specdec"]["session_id"] == "http-resume-1"
     assert again.usage.completion_tokens == 6 and want.endswith(again.choices[0].text)
     assert 0 < len(again.choices[0].text) < len(want)

@@ -84,3 +84,32 @@ def test_sessions_verified_together_on_two_threads_run_side_by_side_and_stay_exa
     for p, out in zip(PROMPTS, outs):
         assert_greedy_equal(gguf_target, p, out.token_ids, _plain(gguf_target, p, 30).token_ids)
     assert any(n > 1 and threads == [1] * n for n, threads in seen), seen  # side by side, a thread each
+
+
+def test_a_gguf_target_ships_its_tokenizer_to_the_coordinator(tmp_path):
+    """A GGUF file is not a directory of tokenizer files: the target service writes out the
+    tokenizer it loaded for it, and serves those files (Info) like a model directory's."""
+    from transformers import AutoTokenizer
+
+    from specdec.models import LoadedModel
+    from target_service.__main__ import tokenizer_dir_of
+    from target_service.core import TargetCore
+    from tests.services.stack import save_char_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(save_char_tokenizer(tmp_path / "tok"))
+    keep: list = []
+    directory = tokenizer_dir_of(LoadedModel(lm=None, tokenizer=tok, path=str(tmp_path / "model.gguf")), keep)
+    files = TargetCore.__new__(TargetCore)
+    files.tokenizer_dir = directory
+    shipped = files.tokenizer_files()
+    assert "tokenizer.json" in shipped and "tokenizer_config.json" in shipped
+    out = tmp_path / "coordinator-side"
+    out.mkdir()
+    for name, data in shipped.items():
+        (out / name).write_bytes(data)
+    again = AutoTokenizer.from_pretrained(out)
+    chat = [{"role": "user", "content": "Name a colour."}]
+    assert again.apply_chat_template(chat, add_generation_prompt=True) == tok.apply_chat_template(
+        chat, add_generation_prompt=True)
+    keep[0].cleanup()
+    assert tokenizer_dir_of(LoadedModel(lm=None, tokenizer=None, path=str(tmp_path / "model.gguf")), []) is None

@@ -66,24 +66,30 @@ def test_the_draft_services_default_draft_runs_fast_and_can_batch_sessions():
     assert [int(r.valid.sum()) for r in rows] == [3, 2]
 
 
-def test_the_gguf_target_on_llamacpp_through_the_services_equals_its_plain_decoding(redis_url, real):
-    """`python -m target_service --backend llamacpp`: the embedded GGUF on llama.cpp, with the
-    shipped torch draft on the draft service; two sessions at once equal llama.cpp plain."""
+def test_the_gguf_target_on_llamacpp_through_the_services_equals_its_plain_decoding(redis_url, real, tmp_path):
+    """`python -m target_service --backend llamacpp`: the embedded GGUF on llama.cpp, its tokenizer
+    shipped to the coordinator (chat text in, text out), with the shipped torch draft on the draft
+    service; two sessions at once, drafting and auto, equal llama.cpp plain."""
     from draft_service.models import load_draft
-    from target_service.__main__ import build_parser, load_target
+    from target_service.__main__ import build_parser, load_target, tokenizer_dir_of
 
     cpp = load_target(build_parser().parse_args(["--backend", "llamacpp"]))
     assert type(cpp.lm).__name__ == "LlamaCppLM"
-    prompts = [format_prompt(real.tokenizer, q) for q in ("Name three rivers.", "Write a haiku about the sea.")]
+    questions = ("Name three rivers.", "Write a haiku about the sea.")
+    keep: list = []
 
     async def scenario():
         async with local_stack(redis_url, cpp.lm, load_draft(None)) as st:
-            return await asyncio.gather(*(st.client.generate(st.client.request(token_ids=p, max_tokens=N, method="draft"))
-                                          for p in prompts))
+            st.targets[0].core.tokenizer_dir = tokenizer_dir_of(cpp, keep)
+            return await asyncio.gather(*(st.client.generate(st.client.request(chat=[("user", q)], max_tokens=N,
+                                                                                method=m))
+                                          for q in questions for m in ("draft", "auto")))
 
     outs = run(scenario(), timeout=300)
     stop = StopConditions(max_new_tokens=N, eos_token_ids=cpp.lm.eos_token_ids)
-    for prompt, out in zip(prompts, outs):
+    for i, out in enumerate(outs):
+        prompt = format_prompt(real.tokenizer, questions[i // 2])
         want = plain_generate(cpp.lm, [prompt], stop=stop)[0]
         assert_greedy_equal(cpp.lm, prompt, out.token_ids, want.token_ids, 0.05)  # llama.cpp's tie margin
+        assert out.text == real.tokenizer.decode(list(out.token_ids), skip_special_tokens=True)
         assert out.stats["fallback_steps"] == 0

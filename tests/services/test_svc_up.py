@@ -192,3 +192,18 @@ def test_up_stops_everything_on_sigterm_and_says_stopped(up):
     for pid in children:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_up_makes_its_log_dir_or_refuses_before_starting_anything(tmp_path, capsys):
+    from specdec.cli import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["up", "--log-dir", str(blocker / "logs")]) == 2
+    assert "--log-dir" in capsys.readouterr().err  # refused at once: nothing was started
+    logs = tmp_path / "new" / "logs"
+    ports = [str(free_port()) for _ in range(4)]
+    # A deadline no service can meet: the stack starts and is stopped again, its logs kept.
+    assert main(["up", "--log-dir", str(logs), "--timeout", "0.001", "--no-metrics", "--port", ports[0],
+                 "--draft-port", ports[1], "--target-port", ports[2], "--http-port", ports[3]]) == 2
+    assert sorted(p.name for p in logs.iterdir()) == ["coordinator.log", "draft.log", "target.log"]

@@ -1,0 +1,80 @@
+"""Which way the coordinator's `auto` takes a session's next step, from what steps have cost.
+
+Two ways to take a step through the services:
+- LOCAL: the target alone decodes a chunk of tokens (Decode with method "auto": plain or prompt
+  lookup, as the target's measured verify cost decides; no round trip per token);
+- DRAFT: the draft service proposes k tokens and the target verifies them (a round trip to each).
+
+Which is faster depends on everything at once: the acceptance rate on these prompts, the draft's
+cost next to the target's (c), the target's verify cost v(k), the wire, and how many sessions
+share the machines. So `auto` does not predict it: it measures it. `StepRates` keeps, per way,
+an exponentially weighted mean of seconds per emitted token, as the coordinator's sessions see
+them end to end, and picks the faster. The slower way is tried again now and then (one step),
+each time it loses twice as rarely (16, 32, ... up to 512 decisions), so conditions that change
+(another prompt mix, a loaded draft) are noticed while a way that keeps losing costs almost
+nothing. Both ways are lossless, so a choice changes speed, never the output.
+
+Limitation: one set of rates per coordinator, shared by its sessions: a session whose prompts
+suit drafting far better than the mix (a summary that copies its document) is not told apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+LOCAL = "local"
+DRAFT = "draft"
+
+
+@dataclass
+class StepRates:
+    weight: float = 0.25  # of the newest observation in the running mean
+    explore_after: int = 16  # decisions before the slower way is tried again (the first time)
+    max_explore_after: int = 512
+    seconds_per_token: dict[str, float] = field(default_factory=dict)
+    _since: int = 0  # decisions since the slower way was last tried
+    _gap: int = 0  # the current interval between tries of the slower way
+    _exploring: Optional[str] = None  # the way tried for exploration, until its step is recorded
+
+    def __post_init__(self) -> None:
+        if not 0 < self.weight <= 1 or self.explore_after < 1:
+            raise ValueError("weight must be in (0, 1] and explore_after >= 1")
+        self._gap = self.explore_after
+
+    def faster(self) -> Optional[str]:
+        """The way with the lower measured cost per token (None until both are measured)."""
+        if len(self.seconds_per_token) < 2:
+            return None
+        return min((LOCAL, DRAFT), key=lambda m: self.seconds_per_token[m])
+
+    def wants_draft(self) -> bool:
+        """Whether the draft is worth loading a new session into now (unmeasured, or faster)."""
+        return DRAFT not in self.seconds_per_token or self.faster() == DRAFT
+
+    def choose(self, draft_available: bool) -> str:
+        """The way to take the next step (LOCAL whenever no draft is available)."""
+        if not draft_available:
+            return LOCAL
+        for way in (LOCAL, DRAFT):  # each measured once first
+            if way not in self.seconds_per_token:
+                return way
+        best = self.faster()
+        self._since += 1
+        if self._since >= self._gap and self._exploring is None:
+            self._since = 0
+            self._exploring = DRAFT if best == LOCAL else LOCAL
+            return self._exploring
+        return best
+
+    def record(self, way: str, seconds: float, emitted: int) -> None:
+        """A step taken `way` emitted `emitted` tokens in `seconds` (end to end)."""
+        if emitted <= 0 or seconds < 0:
+            return
+        rate = seconds / emitted
+        old = self.seconds_per_token.get(way)
+        self.seconds_per_token[way] = rate if old is None else (1 - self.weight) * old + self.weight * rate
+        if way == self._exploring:
+            self._exploring = None
+            still_slower = self.faster() != way
+            self._gap = min(2 * self._gap, self.max_explore_after) if still_slower else self.explore_after

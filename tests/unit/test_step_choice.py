@@ -1,0 +1,56 @@
+"""The coordinator's `auto`: drafting or the target alone, whichever has cost less per emitted
+token, each measured first, the slower tried again ever more rarely while it keeps losing."""
+
+import pytest
+
+from specdec.step_choice import DRAFT, LOCAL, StepRates
+
+
+def _drive(rates: StepRates, cost: dict, steps: int) -> list[str]:
+    """Take `steps` steps, each way costing cost[way] seconds per token (8 tokens a step)."""
+    taken = []
+    for _ in range(steps):
+        way = rates.choose(draft_available=True)
+        rates.record(way, cost[way] * 8, 8)
+        taken.append(way)
+    return taken
+
+
+def test_without_a_draft_every_step_is_local():
+    rates = StepRates()
+    assert {rates.choose(draft_available=False) for _ in range(50)} == {LOCAL}
+
+
+def test_each_way_is_measured_once_then_the_faster_is_taken():
+    taken = _drive(StepRates(), {LOCAL: 0.010, DRAFT: 0.025}, 12)
+    assert taken[:2] == [LOCAL, DRAFT] and set(taken[2:]) == {LOCAL}
+
+
+def test_the_slower_way_is_tried_ever_more_rarely_while_it_keeps_losing():
+    taken = _drive(StepRates(explore_after=16, max_explore_after=128), {LOCAL: 0.025, DRAFT: 0.010}, 600)
+    tries = [i for i, way in enumerate(taken) if way == LOCAL][1:]  # after its first measurement
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps[:3] == [32, 64, 128] and set(gaps[3:]) == {128}
+    assert taken.count(DRAFT) / len(taken) > 0.97  # exploring costs ~1 step in 128
+
+
+def test_a_way_that_becomes_faster_is_taken_again():
+    rates = StepRates(explore_after=4)
+    _drive(rates, {LOCAL: 0.010, DRAFT: 0.025}, 40)
+    assert rates.faster() == LOCAL
+    later = _drive(rates, {LOCAL: 0.040, DRAFT: 0.025}, 200)  # the target got busy
+    assert rates.faster() == DRAFT and later[-50:].count(DRAFT) > 45
+
+
+def test_the_draft_is_loaded_into_new_sessions_only_while_it_can_be_the_faster_way():
+    rates = StepRates()
+    assert rates.wants_draft()  # not measured yet
+    _drive(rates, {LOCAL: 0.010, DRAFT: 0.025}, 5)
+    assert not rates.wants_draft()
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError):
+        StepRates(weight=0)
+    with pytest.raises(ValueError):
+        StepRates(explore_after=0)
