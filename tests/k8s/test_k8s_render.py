@@ -124,10 +124,10 @@ def test_external_redis_component_removes_the_in_cluster_redis(rendered):
     assert f"url={url}" in env_file.splitlines()
 
 
-def test_readme_deployment_section_matches_the_manifests(rendered):
-    readme = (K8S.parent / "README.md").read_text()
-    section = readme[readme.index("## Deployment"):]
-    for path in re.findall(r"\]\(((?:k8s/|Dockerfile)[^)]*)\)", section) + re.findall(r"`(k8s/[\w./-]+)`", section):
+def test_the_deployment_docs_name_files_that_exist_and_the_manifests_replica_ranges(rendered):
+    section = (K8S.parent / "docs" / "deployment.md").read_text()
+    links = [p.removeprefix("../") for p in re.findall(r"\]\(((?:\.\./)?(?:k8s/|Dockerfile)[^)]*)\)", section)]
+    for path in links + re.findall(r"`(k8s/[\w./-]+)`", section):
         assert (K8S.parent / path.split("{")[0]).exists(), path
     hpas = {name(h): h["spec"] for h in kind(rendered["gpu"], "HorizontalPodAutoscaler")}
     d, t = hpas["specdec-draft"], hpas["specdec-target"]
