@@ -126,6 +126,7 @@ class SessionRun:
     pending: Optional[_Pending] = None
     last_fully_accepted: bool = False  # the last verified block was accepted whole
     draft_refused: bool = False  # the draft refused this session's request: the target continues it alone
+    _local_steps: int = 0  # Decode calls of this run on the target alone (their chunks grow: _local_chunk)
     _commit: Optional[asyncio.Future] = None  # the Redis write in flight
     tokens: list[int] = field(default_factory=list)  # verified tokens: the committed ones + the write in flight
     digests: PrefixDigests = field(default_factory=PrefixDigests)  # of `tokens`, which only grows
@@ -251,13 +252,13 @@ class SessionRun:
             way = DRAFT if self.method == "draft" else LOCAL if self._seeded else rates.choose(draft is not None)
             t = time.perf_counter()
             if way == LOCAL:
-                emitted = await self._decode("auto", min(remaining, self.coord.settings.decode_chunk),
-                                             fallback=draft is None)
-                if draft is not None:
+                chunk = self._local_chunk()
+                emitted = await self._decode("auto", min(remaining, chunk), fallback=draft is None)
+                if draft is not None and chunk == self.coord.settings.decode_chunk:  # (short first chunks: not typical)
                     rates.record(LOCAL, time.perf_counter() - t, len(emitted))
                 return emitted
             if draft is not None:
-                warm = draft.address == self.draft_addr  # a step that loads the session first is not timed
+                warm = draft.address == self.draft_addr
                 try:
                     block = await self._propose(draft, k)
                 except DraftOut:
@@ -266,12 +267,18 @@ class SessionRun:
                     t_verify = self._timed("propose", t)
                     verdict = await self._verify(block)
                     self._timed("verify", t_verify)
-                    if warm:
+                    if warm and k == self.k:  # (a short last block, or one that loads the draft: not typical)
                         rates.record(DRAFT, time.perf_counter() - t, len(verdict.emitted))
                     return verdict.emitted
             return await self._decode("", min(remaining, self.coord.settings.fallback_chunk), fallback=True)
-        return await self._decode("" if self.method == "target" else self.method,
-                                  min(remaining, self.coord.settings.decode_chunk), fallback=False)
+        return await self._decode("" if self.method == "target" else self.method, min(remaining, self._local_chunk()),
+                                  fallback=False)
+
+    def _local_chunk(self) -> int:
+        """Tokens for the next Decode on the target alone: 1, 2, 4, ... up to decode_chunk, so the
+        first token streams as soon as it exists and later ones travel in few round trips."""
+        self._local_steps += 1
+        return min(self.coord.settings.decode_chunk, 1 << (self._local_steps - 1))
 
     def _release_caches(self) -> None:
         """A finished session's KV caches are freed at once (best effort; LRU eviction is the backstop)."""

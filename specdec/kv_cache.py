@@ -108,3 +108,24 @@ class KVCache:
         # Holes cost attention time and memory; squeeze them out once they are half the cache.
         if self.num_slots > 32 and int(self.lengths.max()) * 2 < self.num_slots:
             self.compact()
+
+
+@torch.inference_mode()  # (a cache's tensors are inference tensors: compacting them in place needs it)
+def snapshot_kv(cache: KVCache, n: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """Copies of row 0's first n tokens' keys and values, per layer ([1, kv_heads, n, head_dim]
+    each), and their size in bytes: what a prefix cache keeps (specdec.prefix_cache). The cache is
+    compacted first (its valid slots moved to the front, in order; its contents unchanged)."""
+    if n < 1 or n > int(cache.lengths[0]):
+        raise ValueError(f"cannot snapshot {n} tokens of a row holding {int(cache.lengths[0])}")
+    cache.compact()
+    layers = [(k[:1, :, :n].clone(), v[:1, :, :n].clone()) for k, v in cache.layer_kv()]
+    return layers, sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+
+
+@torch.inference_mode()
+def restore_kv(cache: KVCache, snapshot: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
+    """Make an empty batch-1 cache hold the first n tokens of a snapshot_kv snapshot."""
+    keys = [k[:, :, :n].clone() for k, _ in snapshot]
+    values = [v[:, :, :n].clone() for _, v in snapshot]
+    cache.load_layer_kv(keys, values, torch.ones(1, n, dtype=torch.bool, device=keys[0].device))
+

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from specdec.kv_cache import KVCache
+from specdec.kv_cache import KVCache, restore_kv, snapshot_kv
 
 
 @dataclass
@@ -77,6 +77,14 @@ class CausalLM:
 
     def new_cache(self, batch_size: int) -> KVCache:
         return KVCache(batch_size, self.device, config=self.config)
+
+    def snapshot_prefix(self, cache: KVCache, n: int) -> tuple[object, int]:
+        """(a copy of row 0's first n tokens' KV, its bytes): for specdec.prefix_cache."""
+        return snapshot_kv(cache, n)
+
+    def restore_prefix(self, cache: KVCache, snapshot: object, n: int) -> None:
+        """Make an empty batch-1 cache hold the first n tokens of a snapshot_prefix snapshot."""
+        restore_kv(cache, snapshot, n)
 
     def _attention_inputs(self, cache: KVCache, input_ids: torch.Tensor, block_mask: Optional[torch.Tensor],
                           depth: Optional[torch.Tensor], input_valid: Optional[torch.Tensor]

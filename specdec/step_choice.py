@@ -8,8 +8,8 @@ Two ways to take a step through the services:
 Which is faster depends on everything at once: the acceptance rate on these prompts, the draft's
 cost next to the target's (c), the target's verify cost v(k), the wire, and how many sessions
 share the machines. So `auto` does not predict it: it measures it. `StepRates` keeps, per way,
-an exponentially weighted mean of seconds per emitted token, as the coordinator's sessions see
-them end to end, and picks the faster. The slower way is tried again now and then (one step),
+exponentially weighted means of a step's seconds and of its emitted tokens, as the coordinator's
+sessions see them end to end, and picks the way whose ratio (seconds per token) is lower. The slower way is tried again now and then (one step),
 each time it loses twice as rarely (16, 32, ... up to 512 decisions), so conditions that change
 (another prompt mix, a loaded draft) are noticed while a way that keeps losing costs almost
 nothing. Both ways are lossless, so a choice changes speed, never the output.
@@ -36,6 +36,7 @@ class StepRates:
     _since: int = 0  # decisions since the slower way was last tried
     _gap: int = 0  # the current interval between tries of the slower way
     _exploring: Optional[str] = None  # the way tried for exploration, until its step is recorded
+    _sums: dict[str, tuple[float, float]] = field(default_factory=dict)  # way -> running (seconds, tokens) a step
 
     def __post_init__(self) -> None:
         if not 0 < self.weight <= 1 or self.explore_after < 1:
@@ -71,9 +72,14 @@ class StepRates:
         """A step taken `way` emitted `emitted` tokens in `seconds` (end to end)."""
         if emitted <= 0 or seconds < 0:
             return
-        rate = seconds / emitted
-        old = self.seconds_per_token.get(way)
-        self.seconds_per_token[way] = rate if old is None else (1 - self.weight) * old + self.weight * rate
+        # Running means of seconds and of tokens per step, and their ratio: the cost of a token
+        # (a mean of per-step ratios would let one unlucky step, 1 token for a whole block, weigh
+        # as much as many good ones).
+        old = self._sums.get(way)
+        w = self.weight
+        self._sums[way] = (seconds, emitted) if old is None else ((1 - w) * old[0] + w * seconds,
+                                                                  (1 - w) * old[1] + w * emitted)
+        self.seconds_per_token[way] = self._sums[way][0] / self._sums[way][1]
         if way == self._exploring:
             self._exploring = None
             still_slower = self.faster() != way

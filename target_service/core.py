@@ -12,6 +12,7 @@ whose answer was lost) rolls the session back first, so every call is safe to re
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from specdec.costmodel import CostStore
 from specdec.decode import KSchedule, RowProgress
 from specdec.errors import FailedPrecondition, InvalidRequest, NotFound
 from specdec.lm import CausalLM
+from specdec.prefix_cache import PrefixCache
 from specdec.models import user_cache_dir
 from specdec.proposers import PROPOSERS, Proposer, ProposerEnv, ProposerFactory, load_proposer
 from specdec.rpc.batching import MicroBatcher
@@ -52,6 +54,9 @@ class TargetSettings:
     batch_window_ms: float = 2.0  # how long the first request of a batch waits for company
     max_k: int = 32  # most drafted tokens per Verify
     max_queue: int = 256  # queued steps beyond this are refused (RESOURCE_EXHAUSTED)
+    # The prefix cache's budget (0: off). SmolLM2-135M holds ~23 KB of KV a token on llama.cpp
+    # (f16) and ~46 KB on torch (float32): 1 GiB keeps 20-45 thousand tokens of prompts and turns.
+    prefix_cache_mb: int = 1024
 
 
 @dataclass(frozen=True)
@@ -106,11 +111,19 @@ def check_draft(kind: Optional[DraftKind], k: int, draft_probs: Optional[torch.T
 class TargetCore:
     def __init__(self, target: CausalLM, settings: TargetSettings = TargetSettings(),
                  metrics: Optional[ServiceMetrics] = None, tokenizer_dir: Optional[str] = None,
-                 methods: Optional[dict[str, ProposerFactory]] = None, costs: Optional[CostStore] = None):
+                 methods: Optional[dict[str, ProposerFactory]] = None, costs: Optional[CostStore] = None,
+                 executor: Optional[concurrent.futures.Executor] = None):
         self.target = target
         self.settings = settings
         self.costs = costs if costs is not None else CostStore(user_cache_dir() / "costs")
         self._local_method: Optional[str] = None
+        # KV of prompts and finished sessions, reused by later sessions that start the same way
+        self.prefix_cache: Optional[PrefixCache] = None
+        self._evictions_seen = 0
+        if settings.prefix_cache_mb > 0 and hasattr(target, "snapshot_prefix"):
+            self.prefix_cache = PrefixCache(settings.prefix_cache_mb << 20, on_change=self._prefix_cache_changed)
+            log.info("prefix cache: up to %d MiB of KV, blocks of %d tokens", settings.prefix_cache_mb,
+                     self.prefix_cache.block)
         self.metrics = metrics or ServiceMetrics("target")
         self.tokenizer_dir = tokenizer_dir
         self.sessions: SessionTable[TargetSession] = SessionTable(settings.max_sessions, TargetSession,
@@ -121,14 +134,51 @@ class TargetCore:
         self.methods = methods if methods is not None else discover_methods(target)
         self.batcher = MicroBatcher(self._run_steps, max_batch=settings.max_batch,
                                     window_s=settings.batch_window_ms / 1000, max_queue=settings.max_queue,
-                                    metrics=self.metrics, expect_company=self.sessions.active_recently)
+                                    metrics=self.metrics, expect_company=self.sessions.active_recently,
+                                    executor=executor)
 
     # --- sessions --------------------------------------------------------------------------
     def _session(self, session_id: str, create: bool = False) -> TargetSession:
         return self.sessions.get(session_id, create)
 
-    def release(self, session_id: str) -> bool:
+    async def release(self, session_id: str) -> bool:
+        """Forget a session; its KV is kept in the prefix cache first (a conversation's next turn
+        starts with this one's tokens)."""
+        if self.prefix_cache is not None and session_id in self.sessions:
+            sess = self.sessions.get(session_id)
+            async with sess.lock:
+                await self.batcher.run_alone(lambda: self._remember(sess))
         return self.sessions.release(session_id)
+
+    # --- the prefix cache (model thread) ------------------------------------------------------
+    def _reuse_prefix(self, sess: TargetSession, tokens: list[int]) -> list[int]:
+        """Restore the longest cached prefix of tokens[:-1] when it holds more than the session's
+        own cache does -> the tokens the session's cache now stands for."""
+        want, cache = len(tokens) - 1, self.prefix_cache
+        have = min(int(sess.cache.lengths[0]), common_prefix_len(sess.tokens, tokens))
+        if want - have < cache.block:
+            return sess.tokens
+        n, snapshot = cache.lookup(tokens, at_most=want)
+        self.metrics.prefix_cache_queries.inc(want)
+        if n <= have:
+            return sess.tokens
+        sess.cache = self.target.new_cache(1)
+        self.target.restore_prefix(sess.cache, snapshot, n)
+        self.metrics.prefix_cache_hits.inc(n)
+        return tokens[:n]
+
+    def _remember(self, sess: TargetSession) -> None:
+        """Keep the session's KV (all its committed tokens but the last, which its cache holds)."""
+        n = len(sess.tokens) - 1
+        if sess.cache is None or n < self.prefix_cache.block or self.prefix_cache.covers(sess.tokens[:n]):
+            return
+        snapshot, nbytes = self.target.snapshot_prefix(sess.cache, n)
+        self.prefix_cache.insert(sess.tokens[:n], snapshot, nbytes)
+
+    def _prefix_cache_changed(self, cache: PrefixCache) -> None:
+        self.metrics.prefix_cache_bytes.set(cache.bytes_held)
+        self.metrics.prefix_cache_evictions.inc(cache.stats.evictions - self._evictions_seen)
+        self._evictions_seen = cache.stats.evictions
 
     def _check_tokens(self, token_ids: Sequence[int], what: str) -> list[int]:
         return check_token_ids(token_ids, self.target.vocab_size, what)
@@ -152,6 +202,8 @@ class TargetCore:
                 if sess.cache is None:
                     sess.cache = self.target.new_cache(1)
                 self._load(sess, ids)
+                if self.prefix_cache is not None:
+                    self._remember(sess)  # the prompt: a system prompt or document other sessions share
                 return len(ids)
             n = await self.batcher.run_alone(work)
         self.metrics.session_rebuilds.inc()
@@ -173,8 +225,10 @@ class TargetCore:
             self._load(sess, sess.tokens[:base] + new)
 
     def _load(self, sess: TargetSession, tokens: list[int]) -> None:
-        """Make the session hold these committed tokens, keeping what its cache shares with them."""
-        load_committed(self.target, sess.cache, tokens, cached=sess.tokens)
+        """Make the session hold these committed tokens, keeping what its cache shares with them
+        (or, when the prefix cache holds more of them, starting from that)."""
+        cached = sess.tokens if self.prefix_cache is None else self._reuse_prefix(sess, tokens)
+        load_committed(self.target, sess.cache, tokens, cached=cached)
         sess.digests.reset(tokens, common_prefix_len(sess.tokens, tokens))
         sess.tokens = list(tokens)
         sess.hidden = None
@@ -269,8 +323,8 @@ class TargetCore:
         if max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")
         self._check_position(pos.committed_len, pos.new_token_ids, max_tokens)
-        if method == "auto" and self._local_method is None:  # measured once: off the event loop
-            await asyncio.to_thread(self.local_method)
+        if method == "auto" and self._local_method is None:  # measured once, on the model thread
+            await self.batcher.run_alone(self.local_method)
         method = self.resolve_method(method)
         stop = StopConditions(max_tokens, tuple(int(t) for t in stop_token_ids))
         progress = RowProgress(StopChecker(stop), KSchedule(k=k))
@@ -280,7 +334,7 @@ class TargetCore:
             if method != "plain":
                 proposer = sess.proposers.get(method)
                 if proposer is None:
-                    proposer = sess.proposers[method] = self.methods[method]()
+                    proposer = sess.proposers[method] = await self.batcher.run_alone(self.methods[method])
             position: Optional[Position] = pos  # the first step syncs; the later ones follow on
             while not progress.done:
                 k_step = progress.block_k() if proposer is not None else 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Optional
 
 from specdec.lm import CausalLM
@@ -56,16 +57,22 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Release(self, request, context):
         sid = check_session_id(request.session_id)
-        return common_pb2.ReleaseResponse(released=self.core.release(sid))
+        return common_pb2.ReleaseResponse(released=await self.core.release(sid))
 
 
 async def start_target_server(target: CausalLM, server: ServerSettings = ServerSettings(),
                               settings: TargetSettings = TargetSettings(), tokenizer_dir: Optional[str] = None,
-                              methods=None, costs=None) -> RunningServer:
+                              methods=None, costs=None, executor=None) -> RunningServer:
     """Start the target service on a model already in memory (tests pass tiny models). costs: the
-    CostStore its automatic choices read (default: the user's cache folder)."""
+    CostStore its automatic choices read (default: the user's cache folder); executor: the one
+    thread the model runs on (built there too: see target_service.__main__)."""
     metrics = ServiceMetrics("target")
-    core = TargetCore(target, settings, metrics, tokenizer_dir=tokenizer_dir, methods=methods, costs=costs)
+
+    def make() -> TargetCore:
+        return TargetCore(target, settings, metrics, tokenizer_dir=tokenizer_dir, methods=methods, costs=costs,
+                          executor=executor)
+
+    core = make() if executor is None else await asyncio.get_running_loop().run_in_executor(executor, make)
     running = await start_server(
         server, lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(core), s),
         [SERVICE_NAME], metrics)

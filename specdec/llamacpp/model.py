@@ -311,6 +311,32 @@ class LlamaCppLM:
     def new_cache(self, batch_size: int) -> LlamaCppCache:
         return LlamaCppCache(self, batch_size)
 
+    def snapshot_prefix(self, cache: LlamaCppCache, n: int) -> tuple[object, int]:
+        """(row 0's llama.cpp sequence state holding its first n tokens, its bytes): the state of
+        the whole row is copied out (llama_state_seq_get_data) and restore_prefix drops what lies
+        past n, so the cached KV is the very KV this context computed."""
+        cache.settle()
+        if n < 1 or n > cache.length[0]:
+            raise ValueError(f"cannot snapshot {n} tokens of a row holding {cache.length[0]}")
+        lib, seq = self.lib, cache.seqs[0]
+        size = lib.llama_state_seq_get_size(cache.ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        if lib.llama_state_seq_get_data(cache.ctx, buf, size, seq) != size:
+            raise ModelLoadError(f"llama.cpp could not copy a sequence's state ({_why()})")
+        return (bytes(buf), cache.length[0]), size
+
+    def restore_prefix(self, cache: LlamaCppCache, snapshot: object, n: int) -> None:
+        """Make an empty batch-1 cache hold the first n tokens of a snapshot_prefix snapshot."""
+        data, held = snapshot
+        if cache.length[0] or any(cache.pending) or not 1 <= n <= held:
+            raise ValueError("restore_prefix needs an empty batch-1 cache and n within the snapshot")
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if self.lib.llama_state_seq_set_data(cache.ctx, buf, len(data), cache.seqs[0]) == 0:
+            raise ModelLoadError(f"llama.cpp could not restore a sequence's state ({_why()})")
+        if n < held:
+            self.lib.llama_memory_seq_rm(cache.mem, cache.seqs[0], n, -1)
+        cache.length[0] = n
+
     def run_each(self, jobs: Sequence[Callable[[], T]], caches: Sequence[LlamaCppCache]) -> list[T]:
         """Run jobs[i], a step on caches[i] alone (sessions of a service), spreading them over this
         model's threads: with t threads and n jobs, min(t, n) run at once, each context given t //

@@ -24,6 +24,8 @@ def add_up(sub: argparse._SubParsersAction) -> None:
                         "no Lookahead, Medusa as a chain); the draft service keeps its draft on torch")
     p.add_argument("--threads", type=int, default=0,
                    help="threads of the target and of the draft service each (0: each model's default, a thread per core)")
+    p.add_argument("--prefix-cache-mb", type=int, default=1024,
+                   help="the target's prefix cache: MiB of KV of earlier prompts and turns (0: off)")
     p.add_argument("--pipeline", action="store_true", help="draft the next block while the target verifies")
     p.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoints (9451, 9461, 9462)")
     p.add_argument("--log-dir", default=None, help="write each service's log here (default: this terminal)")
@@ -55,7 +57,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     stack = start_stack(args.host, (args.port, args.draft_port, args.target_port), args.redis_port, args.draft,
                         args.target, args.pipeline, metrics=not args.no_metrics, timeout=args.timeout,
                         log_dir=args.log_dir, http_port=None if args.http_port < 0 else args.http_port,
-                        extra={"target": ["--backend", args.target_backend, *threads],
+                        extra={"target": ["--backend", args.target_backend, *threads,
+                                          "--prefix-cache-mb", str(args.prefix_cache_mb)],
                                "draft": threads})
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     try:

@@ -41,6 +41,15 @@ class ServiceMetrics:
         self.pipeline_hits = Counter(f"{PREFIX}_pipeline_hits", "pipelined blocks used", registry=r)
         self.pipeline_misses = Counter(f"{PREFIX}_pipeline_misses", "pipelined blocks discarded", registry=r)
         self.generated_tokens = Counter(f"{PREFIX}_generated_tokens", "tokens committed to sessions", registry=r)
+        # The target's prefix cache (vLLM's names): tokens looked up, tokens found (prefill saved).
+        self.prefix_cache_queries = Counter(f"{PREFIX}_prefix_cache_queries", "prompt tokens looked up in the "
+                                            "prefix cache", registry=r)
+        self.prefix_cache_hits = Counter(f"{PREFIX}_prefix_cache_hits", "prompt tokens found in the prefix cache",
+                                         registry=r)
+        self.prefix_cache_bytes = Gauge(f"{PREFIX}_prefix_cache_bytes", "bytes of KV the prefix cache holds",
+                                        registry=r)
+        self.prefix_cache_evictions = Counter(f"{PREFIX}_prefix_cache_evictions", "prefix cache entries evicted",
+                                              registry=r)
         # The coordinator's per-step timeline (propose, verify, decode, commit, notify, step, detokenize):
         # where a step's wall time goes, as bench/services.py --profile prints it.
         self.step_phase = Histogram(f"{PREFIX}_step_phase_seconds", "time per phase of a session step", ["phase"],

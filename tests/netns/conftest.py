@@ -183,7 +183,7 @@ def _wait_ready(bed: NetBed, timeout: float = 120.0) -> None:
     async def once() -> bool:
         client = CoordinatorClient(bed.coordinator, tls=bed.client_tls(), token=TOKEN)
         try:
-            out = await client.generate(client.request(token_ids=[1, 2, 3], max_tokens=4), timeout=10)
+            out = await client.generate(client.request(token_ids=[1, 2, 3], max_tokens=4, method="draft"), timeout=10)
             return out.stats["drafted"] > 0  # the draft is reached too
         except Exception:  # noqa: BLE001 - not up yet
             return False

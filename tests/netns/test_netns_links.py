@@ -50,7 +50,7 @@ def test_cut_draft_link_falls_back_to_the_target_and_drafting_resumes(netbed, pl
     async def scenario():
         client = _client(netbed)
         try:
-            stream = client.generate_stream(client.request(token_ids=PROMPT, max_tokens=N, method="auto"))
+            stream = client.generate_stream(client.request(token_ids=PROMPT, max_tokens=N, method="draft"))
             seen: list[int] = []
             await _read_until(stream, seen, 20)
             netbed.set_link("draft", up=False)
@@ -65,7 +65,7 @@ def test_cut_draft_link_falls_back_to_the_target_and_drafting_resumes(netbed, pl
             # for the breaker's cool-down and the health probe to let the draft back in).
             after = None
             for _ in range(30):
-                after = await client.generate(client.request(token_ids=PROMPT, max_tokens=24), timeout=30)
+                after = await client.generate(client.request(token_ids=PROMPT, max_tokens=24, method="draft"), timeout=30)
                 if after.stats["fallback_steps"] == 0 and after.stats["drafted"] > 0:
                     break
                 await asyncio.sleep(0.5)

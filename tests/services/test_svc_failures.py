@@ -211,7 +211,7 @@ def test_a_draft_missing_its_propose_deadline_opens_the_breaker_and_the_target_c
         # No Propose can answer within 1 ms: every drafting attempt opens the breaker.
         async with local_stack(redis_url, long_target, good_draft, methods={},
                                settings=replace(FAST, propose_deadline_s=0.001)) as st:
-            return await st.client.generate(st.client.request(token_ids=PROMPT, max_tokens=30))
+            return await st.client.generate(st.client.request(token_ids=PROMPT, max_tokens=30, method="draft"))
 
     out = run(scenario())
     assert_greedy_equal(long_target, PROMPT, out.token_ids, _plain(long_target, PROMPT, 30))

@@ -134,7 +134,7 @@ def test_a_seeded_request_gives_the_same_text_alone_and_among_seven_concurrent_s
     async def scenario():
         async with local_stack(redis_url, long_target, weak_draft) as st:
             def request(p):
-                return st.client.request(token_ids=p, max_tokens=30, sampling=SEEDED, k=4)
+                return st.client.request(token_ids=p, max_tokens=30, sampling=SEEDED, k=4, method="draft")
 
             alone = await st.client.generate(request(prompt))
             *_, among = await asyncio.gather(*(st.client.generate(request(p)) for p in [*others, prompt]))

@@ -65,3 +65,4 @@ def test_batched_verify_step_equals_one_session_at_a_time_and_plain_decoding(tar
     single, lens_s = step(False)
     assert batched == single == [tuple(w[:3]) for w in plain]
     assert lens_b == lens_s == [[len(p) + 2] for p in prompts]  # root + 2 accepted kept in each cache
+

@@ -1,0 +1,127 @@
+"""A prefix cache: the KV of token prefixes read before (shared system prompts, earlier turns of a
+conversation, documents that come again), so a new sequence prefills only what follows the
+longest cached prefix of its tokens.
+
+- Entries are snapshots of a model's KV (`lm.snapshot_prefix(cache, n)`: torch tensors, or
+  llama.cpp's sequence state) of exactly `tokens`. Each entry is reachable from every block-aligned
+  prefix of its tokens (BLOCK tokens a block) through the chain digest of that prefix
+  (specdec.sessions.extend_digest, as session positions are checked), so a lookup walks the new
+  tokens' block digests from the longest down: a handful of dict lookups, whatever the number of
+  entries. A found entry's tokens are compared with the request's (a digest collision can never
+  hand out the wrong KV).
+- Bounded by `budget_bytes` (the snapshots' own sizes), least recently used evicted first; an
+  entry larger than the whole budget is not kept.
+- Reuse granularity is one block: a prefix shorter than BLOCK tokens, or the tail of a prefix
+  past its last full block, is prefilled again.
+
+Exactness: a restored prefix holds the very keys and values an earlier forward computed, so the
+logits after it equal those after a fresh prefill wherever the backend's arithmetic does not
+depend on how many tokens one forward holds (torch: measured bit-identical, tests/unit/
+test_prefix_cache.py; llama.cpp: its kernels depend on the batch size, so logits agree within its
+tie tolerance, as its chunked prefills already do).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from specdec.sessions import extend_digest, token_digest
+
+BLOCK = 16
+
+
+@dataclass
+class _Entry:
+    tokens: tuple[int, ...]
+    snapshot: object
+    nbytes: int
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # tokens looked up (vLLM's prefix_cache_queries)
+    hits: int = 0  # tokens found (vLLM's prefix_cache_hits): prefill saved
+    inserts: int = 0
+    evictions: int = 0
+
+
+def block_digests(tokens: Sequence[int], block: int = BLOCK) -> list[tuple[int, int]]:
+    """(length, digest of tokens[:length]) for every block-aligned length, shortest first."""
+    out, digest = [], token_digest(())
+    for end in range(block, len(tokens) + 1, block):
+        digest = extend_digest(digest, tokens[end - block:end])
+        out.append((end, digest))
+    return out
+
+
+class PrefixCache:
+    def __init__(self, budget_bytes: int, block: int = BLOCK,
+                 on_change: Optional[Callable[["PrefixCache"], None]] = None):
+        if budget_bytes < 0 or block < 1:
+            raise ValueError("budget_bytes must be >= 0 and block >= 1")
+        self.budget_bytes, self.block = budget_bytes, block
+        self.on_change = on_change  # told after every insert or eviction (metrics)
+        self.stats = PrefixCacheStats()
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # id -> entry, least recently used first
+        self._index: dict[int, list[int]] = {}  # digest of a block-aligned prefix -> ids of entries holding it
+        self._next_id = 0
+        self.bytes_held = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, tokens: Sequence[int], at_most: Optional[int] = None) -> tuple[int, Optional[object]]:
+        """(n, snapshot): the longest cached block-aligned prefix of tokens (at most `at_most`
+        tokens) and the snapshot that holds it (it may hold more than n tokens: restore n of
+        them), or (0, None)."""
+        limit = len(tokens) if at_most is None else min(at_most, len(tokens))
+        self.stats.queries += limit
+        for n, digest in reversed(block_digests(tokens[:limit], self.block)):
+            eid = self._holder(digest, tokens[:n])
+            if eid is not None:
+                self._entries.move_to_end(eid)
+                self.stats.hits += n
+                return n, self._entries[eid].snapshot
+        return 0, None
+
+    def _holder(self, digest: int, prefix: Sequence[int]) -> Optional[int]:
+        """The newest entry whose tokens start with `prefix` (whose chain digest is `digest`)."""
+        for eid in reversed(self._index.get(digest, ())):
+            if self._entries[eid].tokens[:len(prefix)] == tuple(prefix):
+                return eid
+        return None
+
+    def covers(self, tokens: Sequence[int]) -> bool:
+        """Whether every block-aligned prefix of tokens is found already (nothing to insert)."""
+        digests = block_digests(tokens, self.block)
+        return not digests or self._holder(digests[-1][1], tokens[:digests[-1][0]]) is not None
+
+    def insert(self, tokens: Sequence[int], snapshot: object, nbytes: int) -> bool:
+        """Keep `snapshot`, the KV of exactly `tokens`; -> whether it was kept (too short, already
+        covered, or larger than the budget: not)."""
+        digests = block_digests(tokens, self.block)
+        if not digests or nbytes > self.budget_bytes or self.covers(tokens):
+            return False
+        eid, self._next_id = self._next_id, self._next_id + 1
+        self._entries[eid] = _Entry(tuple(tokens), snapshot, nbytes)
+        for _, digest in digests:
+            self._index.setdefault(digest, []).append(eid)
+        self.bytes_held += nbytes
+        self.stats.inserts += 1
+        while self.bytes_held > self.budget_bytes:
+            self._evict_oldest()
+        if self.on_change is not None:
+            self.on_change(self)
+        return True
+
+    def _evict_oldest(self) -> None:
+        eid, entry = self._entries.popitem(last=False)
+        self.bytes_held -= entry.nbytes
+        self.stats.evictions += 1
+        for _, digest in block_digests(entry.tokens, self.block):
+            holders = self._index[digest]
+            holders.remove(eid)
+            if not holders:
+                del self._index[digest]

@@ -1,0 +1,59 @@
+"""The target service's prefix cache through the services (draft-free, real redis-server): a
+session that starts as an earlier one did (a shared system prompt or document, a conversation's
+next turn) prefills only what follows the cached prefix, and its output is plain decoding's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specdec.decode import plain_generate
+from specdec.types import StopConditions
+from target_service.core import TargetSettings
+from tests.conftest import assert_greedy_equal
+
+
+def _plain(lm, prompt, n):
+    stop = StopConditions(max_new_tokens=n, eos_token_ids=lm.eos_token_ids)
+    return plain_generate(lm, [prompt], stop=stop)[0].token_ids
+
+
+def _counter(metric) -> float:
+    return next(s.value for s in metric.collect()[0].samples if s.name.endswith("_total"))
+
+
+@pytest.mark.parametrize("backend", ["torch", "llamacpp"])
+def test_the_prefix_cache_serves_shared_prompts_and_earlier_turns_and_output_stays_plain(
+        redis_url, long_target, tmp_path, backend):
+    """A second session with the same long prompt, and a second turn that starts with the first
+    turn's tokens, prefill only what follows the cached prefix; the outputs equal plain decoding;
+    the cache stays within its budget."""
+    from tests.conftest import gguf_copy
+    from tests.services.stack import local_stack, run
+
+    lm = long_target if backend == "torch" else gguf_copy(long_target, tmp_path / "t.gguf", context=512)
+    system = [(5 * i + 7) % 90 + 3 for i in range(70)]  # a long shared start (a system prompt, a document)
+
+    async def scenario():
+        async with local_stack(redis_url, lm, target_settings=TargetSettings(prefix_cache_mb=1)) as st:
+            core = st.targets[0].core
+            first = await st.client.generate(st.client.request(token_ids=system + [11, 12], max_tokens=20,
+                                                                method="plain"))
+            await asyncio.sleep(0.3)  # the finished session's release (its KV goes into the cache)
+            hits_before = _counter(core.metrics.prefix_cache_hits)
+            second = await st.client.generate(st.client.request(token_ids=system + [13, 14, 15], max_tokens=20,
+                                                                 method="plain"))
+            shared = _counter(core.metrics.prefix_cache_hits) - hits_before
+            turn2 = system + [11, 12] + list(first.token_ids) + [21, 22]
+            third = await st.client.generate(st.client.request(token_ids=turn2, max_tokens=20, method="plain"))
+            turn = _counter(core.metrics.prefix_cache_hits) - hits_before - shared
+            return first, second, third, shared, turn, core.prefix_cache.bytes_held, turn2
+
+    first, second, third, shared, turn, held, turn2 = run(scenario())
+    for prompt, out in ((system + [11, 12], first), (system + [13, 14, 15], second), (turn2, third)):
+        assert_greedy_equal(lm, prompt, out.token_ids, _plain(lm, prompt, 20))
+    assert shared >= 64, "the second session did not reuse the shared start"
+    # the first session's KV (its prompt and answer but the last token), in whole blocks of 16
+    assert turn >= 16 * ((len(system) + 2 + 20 - 1) // 16), "the second turn did not reuse the first turn"
+    assert 0 < held <= 1 << 20
