@@ -207,3 +207,22 @@ def test_up_makes_its_log_dir_or_refuses_before_starting_anything(tmp_path, caps
     assert main(["up", "--log-dir", str(logs), "--timeout", "0.001", "--no-metrics", "--port", ports[0],
                  "--draft-port", ports[1], "--target-port", ports[2], "--http-port", ports[3]]) == 2
     assert sorted(p.name for p in logs.iterdir()) == ["coordinator.log", "draft.log", "target.log"]
+
+
+def test_a_redis_server_started_by_a_process_killed_by_a_signal_does_not_outlive_it(tmp_path):
+    """A test run (or `specdec up`) killed by a signal runs no clean-up: its children die with it."""
+    script = ("import os, signal, sys; from specdec.rpc.launcher import RedisServer; r = RedisServer().start(); "
+              "print(r.proc.pid, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == -signal.SIGKILL
+    pid = int(out.stdout.split()[0])
+    for _ in range(50):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] == "Z":  # dead, not yet reaped by its new parent
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"redis-server {pid} outlived the process that started it")
