@@ -182,6 +182,8 @@ class SessionRun:
                 self.stats.emitted += len(taken)
                 self.stats.elapsed_s = time.perf_counter() - t0
                 status = "done" if self.verified_all else "running"
+                if self.verified_all:  # the target keeps the session's KV (prefix cache) before the answer is out
+                    await self._release_target()
                 # 4. commit before anyone sees the tokens; a cancellation does not cut a write in half.
                 self._commit = asyncio.ensure_future(self._commit_and_tell(
                     taken, status, self.checker.finish_reason or "", self.stats.to_dict()))
@@ -279,6 +281,17 @@ class SessionRun:
         first token streams as soon as it exists and later ones travel in few round trips."""
         self._local_steps += 1
         return min(self.coord.settings.decode_chunk, 1 << (self._local_steps - 1))
+
+    async def _release_target(self) -> None:
+        """Release the finished session on its target replica now, not after the answer is sent:
+        the target keeps its KV for a conversation's next turn, which may come at once."""
+        rep = self.coord.target_pool.replicas.get(self.target_addr) if self.target_addr else None
+        self.target_addr = None  # (_release_caches leaves it alone)
+        if rep is not None:
+            try:
+                await rep.client.release(self.session_id)
+            except SpecdecError:
+                pass  # best effort: LRU eviction is the backstop
 
     def _release_caches(self) -> None:
         """A finished session's KV caches are freed at once (best effort; LRU eviction is the backstop)."""
