@@ -10,7 +10,8 @@ from typing import Callable, Optional, Sequence
 from specdec.costmodel import CostStore, target_local_method
 from specdec.decode import KSchedule, OnEmit, plain_generate, speculative_generate
 from specdec.errors import InvalidRequest
-from specdec.models import LoadedModel, backend_name, check_compatible, format_prompt, load_model, user_cache_dir
+from specdec.models import (LoadedModel, backend_name, check_compatible, format_prompt, load_model,
+                            user_cost_store)
 from specdec.proposers import PLAIN, ProposerEnv, ProposerFactory, load_proposer, method_names
 from specdec.proposers.lookahead import LookaheadConfig
 from specdec.stopping import TextStream, cut_at_stop_string
@@ -74,7 +75,9 @@ def _load_draft(spec: Optional[str], target: LoadedModel, config: EngineConfig) 
 def default_cost_store(config: EngineConfig, refresh: bool = False,
                        notify: Optional[Callable[[str], None]] = None) -> CostStore:
     """The engine's costs, kept in config.cost_cache (default: the user's cache folder)."""
-    return CostStore(config.cost_cache or user_cache_dir() / "costs", refresh, notify)
+    if config.cost_cache is None:
+        return user_cost_store(refresh, notify)
+    return CostStore(config.cost_cache, refresh, notify)
 
 
 class Engine:

@@ -41,6 +41,13 @@ def user_cache_dir() -> Path:
     return Path(base) / "specdec"
 
 
+def user_cost_store(refresh: bool = False, notify=None):
+    """The CostStore kept in the user's cache folder (machine-measured figures, probe verdicts)."""
+    from specdec.costmodel import CostStore
+
+    return CostStore(user_cache_dir() / "costs", refresh, notify)
+
+
 def default_cache_dir() -> Path:
     """Where converted models are cached."""
     return user_cache_dir() / "models"
@@ -241,11 +248,7 @@ def load_gguf_model(spec: Optional[str] = None, *, cache_dir: Optional[Path] = N
     if reference is None and default:
         def reference(prompt: list[int], n: int) -> list[int]:
             return torch_reference(load_model(DEFAULT_TARGET, cache_dir=cache_dir, backend="fast").lm)(prompt, n)
-    if costs is None:
-        from specdec.costmodel import CostStore
-
-        costs = CostStore(user_cache_dir() / "costs")
-    require_usable(path, costs, reference)
+    require_usable(path, costs if costs is not None else user_cost_store(), reference)
     converted = (cache_dir or default_cache_dir()) / DEFAULT_TARGET
     try:
         if default and _is_model_dir(converted):

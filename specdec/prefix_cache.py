@@ -58,11 +58,11 @@ def block_digests(tokens: Sequence[int], block: int = BLOCK) -> list[tuple[int, 
 
 class PrefixCache:
     def __init__(self, budget_bytes: int, block: int = BLOCK,
-                 on_change: Optional[Callable[["PrefixCache"], None]] = None):
+                 on_change: Optional[Callable[["PrefixCache", int], None]] = None):
         if budget_bytes < 0 or block < 1:
             raise ValueError("budget_bytes must be >= 0 and block >= 1")
         self.budget_bytes, self.block = budget_bytes, block
-        self.on_change = on_change  # told after every insert or eviction (metrics)
+        self.on_change = on_change  # told after every insert, with the entries it evicted (metrics)
         self.stats = PrefixCacheStats()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # id -> entry, least recently used first
         self._index: dict[int, list[int]] = {}  # digest of a block-aligned prefix -> ids of entries holding it
@@ -95,14 +95,16 @@ class PrefixCache:
 
     def covers(self, tokens: Sequence[int]) -> bool:
         """Whether every block-aligned prefix of tokens is found already (nothing to insert)."""
-        digests = block_digests(tokens, self.block)
+        return self._covered(tokens, block_digests(tokens, self.block))
+
+    def _covered(self, tokens: Sequence[int], digests: list[tuple[int, int]]) -> bool:
         return not digests or self._holder(digests[-1][1], tokens[:digests[-1][0]]) is not None
 
     def insert(self, tokens: Sequence[int], snapshot: object, nbytes: int) -> bool:
         """Keep `snapshot`, the KV of exactly `tokens`; -> whether it was kept (too short, already
         covered, or larger than the budget: not)."""
         digests = block_digests(tokens, self.block)
-        if not digests or nbytes > self.budget_bytes or self.covers(tokens):
+        if not digests or nbytes > self.budget_bytes or self._covered(tokens, digests):
             return False
         eid, self._next_id = self._next_id, self._next_id + 1
         self._entries[eid] = _Entry(tuple(tokens), snapshot, nbytes)
@@ -110,10 +112,12 @@ class PrefixCache:
             self._index.setdefault(digest, []).append(eid)
         self.bytes_held += nbytes
         self.stats.inserts += 1
+        evicted = 0
         while self.bytes_held > self.budget_bytes:
             self._evict_oldest()
+            evicted += 1
         if self.on_change is not None:
-            self.on_change(self)
+            self.on_change(self, evicted)
         return True
 
     def _evict_oldest(self) -> None:

@@ -32,7 +32,6 @@ class StepRates:
     weight: float = 0.25  # of the newest observation in the running mean
     explore_after: int = 16  # decisions before the slower way is tried again (the first time)
     max_explore_after: int = 512
-    seconds_per_token: dict[str, float] = field(default_factory=dict)
     _since: int = 0  # decisions since the slower way was last tried
     _gap: int = 0  # the current interval between tries of the slower way
     _exploring: Optional[str] = None  # the way tried for exploration, until its step is recorded
@@ -43,22 +42,26 @@ class StepRates:
             raise ValueError("weight must be in (0, 1] and explore_after >= 1")
         self._gap = self.explore_after
 
+    @property
+    def seconds_per_token(self) -> dict[str, float]:
+        """Per way measured so far: the running mean of a step's seconds over that of its tokens."""
+        return {way: seconds / tokens for way, (seconds, tokens) in self._sums.items()}
+
     def faster(self) -> Optional[str]:
         """The way with the lower measured cost per token (None until both are measured)."""
-        if len(self.seconds_per_token) < 2:
-            return None
-        return min((LOCAL, DRAFT), key=lambda m: self.seconds_per_token[m])
+        rates = self.seconds_per_token
+        return min((LOCAL, DRAFT), key=rates.__getitem__) if len(rates) == 2 else None
 
     def wants_draft(self) -> bool:
         """Whether the draft is worth loading a new session into now (unmeasured, or faster)."""
-        return DRAFT not in self.seconds_per_token or self.faster() == DRAFT
+        return DRAFT not in self._sums or self.faster() == DRAFT
 
     def choose(self, draft_available: bool) -> str:
         """The way to take the next step (LOCAL whenever no draft is available)."""
         if not draft_available:
             return LOCAL
         for way in (LOCAL, DRAFT):  # each measured once first
-            if way not in self.seconds_per_token:
+            if way not in self._sums:
                 return way
         best = self.faster()
         self._since += 1
@@ -79,7 +82,6 @@ class StepRates:
         w = self.weight
         self._sums[way] = (seconds, emitted) if old is None else ((1 - w) * old[0] + w * seconds,
                                                                   (1 - w) * old[1] + w * emitted)
-        self.seconds_per_token[way] = self._sums[way][0] / self._sums[way][1]
         if way == self._exploring:
             self._exploring = None
             still_slower = self.faster() != way

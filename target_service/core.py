@@ -26,7 +26,7 @@ from specdec.decode import KSchedule, RowProgress
 from specdec.errors import FailedPrecondition, InvalidRequest, NotFound
 from specdec.lm import CausalLM
 from specdec.prefix_cache import PrefixCache
-from specdec.models import user_cache_dir
+from specdec.models import user_cost_store
 from specdec.proposers import PROPOSERS, Proposer, ProposerEnv, ProposerFactory, load_proposer
 from specdec.rpc.batching import MicroBatcher
 from specdec.rpc.metrics import ServiceMetrics
@@ -115,11 +115,10 @@ class TargetCore:
                  executor: Optional[concurrent.futures.Executor] = None):
         self.target = target
         self.settings = settings
-        self.costs = costs if costs is not None else CostStore(user_cache_dir() / "costs")
+        self.costs = costs if costs is not None else user_cost_store()
         self._local_method: Optional[str] = None
         # KV of prompts and finished sessions, reused by later sessions that start the same way
         self.prefix_cache: Optional[PrefixCache] = None
-        self._evictions_seen = 0
         if settings.prefix_cache_mb > 0 and hasattr(target, "snapshot_prefix"):
             self.prefix_cache = PrefixCache(settings.prefix_cache_mb << 20, on_change=self._prefix_cache_changed)
             log.info("prefix cache: up to %d MiB of KV, blocks of %d tokens", settings.prefix_cache_mb,
@@ -175,10 +174,9 @@ class TargetCore:
         snapshot, nbytes = self.target.snapshot_prefix(sess.cache, n)
         self.prefix_cache.insert(sess.tokens[:n], snapshot, nbytes)
 
-    def _prefix_cache_changed(self, cache: PrefixCache) -> None:
+    def _prefix_cache_changed(self, cache: PrefixCache, evicted: int) -> None:
         self.metrics.prefix_cache_bytes.set(cache.bytes_held)
-        self.metrics.prefix_cache_evictions.inc(cache.stats.evictions - self._evictions_seen)
-        self._evictions_seen = cache.stats.evictions
+        self.metrics.prefix_cache_evictions.inc(evicted)
 
     def _check_tokens(self, token_ids: Sequence[int], what: str) -> list[int]:
         return check_token_ids(token_ids, self.target.vocab_size, what)

@@ -35,10 +35,10 @@ def gguf_copy(lm: CausalLM, path: Path, threads: int = 1, context=None):
     from specdec.llamacpp import LlamaCppLM
     from specdec.llamacpp.convert import write_llama_gguf
     from specdec.llamacpp.probe import require_usable, torch_reference
-    from specdec.models import user_cache_dir
+    from specdec.models import user_cost_store
 
     path = write_llama_gguf(lm.model, path)
-    require_usable(path, CostStore(user_cache_dir() / "costs"), torch_reference(lm))
+    require_usable(path, user_cost_store(), torch_reference(lm))
     return LlamaCppLM(path, threads=threads, context=context)
 
 

@@ -27,11 +27,18 @@ def _digest_libs(files: tuple[tuple[str, int, int], ...]) -> str:
     return h.hexdigest()[:16]
 
 
+def library_files() -> list[Path]:
+    """The installed llama.cpp shared libraries (the files, not their version symlinks)."""
+    lib = lib_dir()
+    if lib is None or not lib.is_dir():
+        return []
+    return sorted(p for p in lib.glob("*.so*") if p.is_file() and not p.is_symlink())
+
+
 def build_identity() -> str:
     """A digest of the installed llama.cpp shared libraries ("none" without llama-cpp-python):
     another build (other flags, another compiler, another machine's wheel) has another one."""
-    lib = lib_dir()
-    files = sorted(p for p in lib.glob("*.so*") if p.is_file() and not p.is_symlink()) if lib is not None and lib.is_dir() else []
+    files = library_files()
     if not files:
         return "none"
     return _digest_libs(tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files))

@@ -222,15 +222,10 @@ def torch_reference(lm) -> Callable[[list[int], int], list[int]]:
     """reference() for `probe`: greedy tokens of a torch model (specdec's model interface)."""
 
     def greedy(prompt: list[int], n: int) -> list[int]:
-        import torch
+        from specdec.decode import plain_generate
+        from specdec.types import StopConditions
 
-        cache = lm.new_cache(1)
-        logits = lm.prefill(cache, [prompt]).logits[0]
-        out = []
-        for _ in range(n):
-            out.append(int(logits.argmax()))
-            logits = lm.forward(cache, torch.tensor([[out[-1]]])).logits[0, -1]
-        return out
+        return list(plain_generate(lm, [prompt], stop=StopConditions(max_new_tokens=n))[0].token_ids)
 
     return greedy
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.llamacpp.build import lib_dir
+from specdec.llamacpp.build import library_files
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = ROOT / "scripts" / "llama-cmake-args.sh"
@@ -63,12 +63,10 @@ def test_the_setup_and_the_image_take_their_flags_from_the_one_definition():
 
 
 def test_the_installed_llamacpp_holds_no_amx_tile_instruction_unless_asked_for():
-    lib = lib_dir()
-    assert lib is not None and lib.is_dir(), "llama-cpp-python is not installed: run scripts/bootstrap.sh"
+    libs = library_files()
+    assert libs, "llama-cpp-python is not installed: run scripts/bootstrap.sh"
     objdump = shutil.which("objdump")
     assert objdump, "binutils' objdump is missing (the compiler that built llama.cpp needs binutils too)"
-    libs = [p for p in sorted(lib.glob("*.so*")) if p.is_file() and not p.is_symlink()]
-    assert libs
     found = {}
     for path in libs:
         text = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True,

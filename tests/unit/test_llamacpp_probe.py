@@ -95,10 +95,10 @@ def test_backend_auto_falls_back_to_the_float32_path_and_says_why(tiny_target, t
 @pytest.fixture()
 def crashing_default(tmp_path, monkeypatch):
     """The embedded default's GGUF, with a SIGSEGV probe verdict kept in the user's cache folder."""
-    from specdec.models import embedded_gguf_path, user_cache_dir
+    from specdec.models import embedded_gguf_path, user_cost_store
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert not probe(embedded_gguf_path(), CostStore(user_cache_dir() / "costs"), spawn=_spawn(SEGV)).ok
+    assert not probe(embedded_gguf_path(), user_cost_store(), spawn=_spawn(SEGV)).ok
 
 
 @pytest.mark.parametrize("argv", [
