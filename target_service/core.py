@@ -130,7 +130,7 @@ class TargetCore:
         # Per session id: how often it was (re)built here, kept past its release (the most recent
         # ids only): the one per-session record of rebuilds, which the failover tests check.
         self.prefills: OrderedDict[str, int] = OrderedDict()
-        self.methods = methods if methods is not None else discover_methods(target)
+        self.methods = methods if methods is not None else discover_methods(target, self.costs)
         self.batcher = MicroBatcher(self._run_steps, max_batch=settings.max_batch,
                                     window_s=settings.batch_window_ms / 1000, max_queue=settings.max_queue,
                                     metrics=self.metrics, expect_company=self.sessions.active_recently,
@@ -358,13 +358,14 @@ def _no_draft() -> CausalLM:
     raise FailedPrecondition("the target service runs no draft model")
 
 
-def discover_methods(target: CausalLM) -> dict[str, ProposerFactory]:
+def discover_methods(target: CausalLM, costs: Optional[CostStore] = None) -> dict[str, ProposerFactory]:
     """The registered methods that load here, with the target alone (drafts live in the draft
-    service): prompt lookup and Lookahead, and Medusa when its heads load."""
-    from specdec.engine import EngineConfig, default_cost_store
+    service): prompt lookup and Lookahead, and Medusa when its heads load. costs: where their
+    automatic choices read this machine's costs (default: the user's cache folder)."""
+    from specdec.engine import EngineConfig
 
-    config = EngineConfig()
-    env = ProposerEnv(target, config, default_cost_store(config), load_draft=_no_draft)
+    env = ProposerEnv(target, EngineConfig(), costs if costs is not None else user_cost_store(),
+                      load_draft=_no_draft)
     found: dict[str, ProposerFactory] = {}
     for name in PROPOSERS:
         try:
