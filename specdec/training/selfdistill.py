@@ -7,11 +7,14 @@ so an interrupted run resumes where it stopped and the data can keep growing ove
 Two chunks in three are greedy (what greedy acceptance is measured on), one is sampled at
 temperature 0.7 for variety.
 
-Prompt sets (`--set`): `base` (specdec.training.prompts: short prompts from templates and the
-stdlib), `articles` (the target writes news stories and encyclopedia entries) and `documents`
+Prompt sets (`--set`): `real` (real instructions from a JSONL file, by default the shipped
+`data/prompts/train_prompts.jsonl.gz`: GSM8K train, GPTeacher roleplay and toolformer, sources
+and licences beside it; shuffled by the seed so any first `--count` mixes all sources), `base`
+(specdec.training.prompts: short prompts from templates and the stdlib), `articles` (the target writes news stories and encyclopedia entries) and `documents`
 (summarize / answer from those articles, translate gettext messages into English, factual
 questions: specdec.training.documents), which needs the articles first:
 
+    specdec train data --set real --out data/real --count 3000 --time-budget 60
     specdec train data --out data/selfdistill --count 2000 --time-budget 60
     specdec train data --set articles --out data/articles --count 240
     specdec train data --set documents --articles data/articles --out data/documents --count 960
@@ -23,6 +26,7 @@ import argparse
 import gzip
 import json
 import os
+import random
 import time
 from pathlib import Path
 from typing import Iterator, Optional
@@ -34,6 +38,7 @@ from specdec.training.documents import all_foreign_sentences, article_prompts, a
 from specdec.training.prompts import TrainingPrompt, training_prompts
 from specdec.types import SamplingParams, StopConditions
 
+REAL_PROMPTS = Path("data/prompts/train_prompts.jsonl.gz")
 MAX_PROMPT_TOKENS = 384  # longer prompts are cut from the left; prefill of long prompts dominated generation cost
 
 
@@ -73,8 +78,28 @@ def drop_repeated_paragraphs(text: str) -> str:
     return "\n\n".join(dict.fromkeys(p for p in paragraphs if p))
 
 
+def real_prompts(path: Path, seed: int, count: int) -> list[TrainingPrompt]:
+    """The first `count` of a JSONL(.gz) file's {"category", "prompt"} rows after a seeded shuffle."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecdecError(f"prompt file not found: {path}")
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows = []
+    with opener(path, "rt") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                row = json.loads(line)
+                rows.append(TrainingPrompt(category=str(row["category"]), text=str(row["prompt"])))
+            except (ValueError, KeyError, TypeError):
+                raise SpecdecError(f"{path}:{n}: not a JSON object with 'category' and 'prompt'") from None
+    random.Random(seed).shuffle(rows)
+    return rows[:count]
+
+
 def prompt_set(name: str, target: LoadedModel, *, seed: int, count: int,
-               articles_dir: Optional[Path] = None) -> list[TrainingPrompt]:
+               articles_dir: Optional[Path] = None, prompts_file: Path = REAL_PROMPTS) -> list[TrainingPrompt]:
+    if name == "real":
+        return real_prompts(prompts_file, seed, count)
     if name == "base":
         return training_prompts(seed, count)
     if name == "articles":
@@ -88,7 +113,7 @@ def prompt_set(name: str, target: LoadedModel, *, seed: int, count: int,
     raise SpecdecError(f"unknown prompt set {name!r}; use one of {', '.join(PROMPT_SETS)}")
 
 
-PROMPT_SETS = ("base", "articles", "documents")
+PROMPT_SETS = ("real", "base", "articles", "documents")
 
 
 def generate(out_dir: Path, target: LoadedModel, prompts: list[TrainingPrompt], *, seed: int = 0, chunk: int = 16,
@@ -124,6 +149,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--set", dest="prompt_set", choices=PROMPT_SETS, default="base",
                     help="prompt set (default base; documents needs --articles)")
     ap.add_argument("--articles", type=Path, default=None, help="articles folder for --set documents")
+    ap.add_argument("--prompts", type=Path, default=REAL_PROMPTS,
+                    help=f"JSONL(.gz) of {{category, prompt}} rows for --set real (default {REAL_PROMPTS})")
     ap.add_argument("--target", default=None, help="target model directory (none: the embedded default)")
     ap.add_argument("--seed", type=int, default=0, help="prompt set and sampling seed")
     ap.add_argument("--count", type=int, default=2000, help="prompts in the set")
@@ -136,7 +163,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     target = load_model(args.target, backend=args.backend)
-    prompts = prompt_set(args.prompt_set, target, seed=args.seed, count=args.count, articles_dir=args.articles)
+    prompts = prompt_set(args.prompt_set, target, seed=args.seed, count=args.count, articles_dir=args.articles,
+                         prompts_file=args.prompts)
     # Articles are all sampled: greedy decoding of a small target loops on its first paragraphs.
     generate(args.out, target, prompts, seed=args.seed, chunk=args.chunk, max_new_tokens=args.max_new_tokens,
              time_budget_s=None if args.time_budget is None else args.time_budget * 60,

@@ -94,3 +94,16 @@ def test_documents_set_without_articles_is_a_clear_error(tmp_path):
 def test_looping_articles_keep_each_paragraph_once():
     looping = "Storm hits.\n\nIt rained.\n\nStorm hits.\n\n\n\nIt rained.\n\nRoads closed."
     assert drop_repeated_paragraphs(looping) == "Storm hits.\n\nIt rained.\n\nRoads closed."
+
+
+def test_the_real_prompt_set_mixes_every_source_and_is_fixed_by_its_seed(tmp_path):
+    from specdec.training.selfdistill import REAL_PROMPTS, real_prompts
+
+    first = real_prompts(REAL_PROMPTS, seed=0, count=60)
+    assert len(first) == 60 and first == real_prompts(REAL_PROMPTS, seed=0, count=60)
+    assert {p.category for p in first} == {"math", "chat", "qa"}  # the shuffle mixes GSM8K, roleplay, toolformer
+    assert first != real_prompts(REAL_PROMPTS, seed=1, count=60)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"category": "chat", "prompt": "hi"}\n{"text": "no prompt"}\n')
+    with pytest.raises(SpecdecError, match=r"bad.jsonl:2"):
+        real_prompts(bad, seed=0, count=2)
