@@ -107,8 +107,16 @@ def start_llama_server(binary: str, threads: int, slots: int, cache: bool, logs:
     return Server("llama-server", f"http://127.0.0.1:{port}/v1", proc)
 
 
+def _extras(obj) -> dict:
+    """What a server adds beside the OpenAI fields: specdec's `specdec` (method, drafted, accepted,
+    target forwards) and llama-server's `timings` (its own prompt and decode milliseconds)."""
+    extra = getattr(obj, "model_extra", None) or {}
+    return {k: extra[k] for k in ("specdec", "timings") if extra.get(k)}
+
+
 def request(server: Server, model: str, prompt: str, max_tokens: int, stream: bool) -> dict:
-    """One chat completion through the openai SDK -> text, tokens, seconds, ttft (streaming)."""
+    """One chat completion through the openai SDK -> text, tokens, seconds, ttft (streaming), and
+    what the server said of it (_extras)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=server.base_url, api_key="none", timeout=600, max_retries=0)
@@ -118,8 +126,9 @@ def request(server: Server, model: str, prompt: str, max_tokens: int, stream: bo
         out = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
                                              extra_body=server.extra_body or None)
         dt = time.perf_counter() - t0
-        return {"text": out.choices[0].message.content, "tokens": out.usage.completion_tokens, "s": dt, "ttft": None}
-    ttft, pieces, tokens = None, [], 0
+        return {"text": out.choices[0].message.content, "tokens": out.usage.completion_tokens, "s": dt, "ttft": None,
+                **_extras(out)}
+    ttft, pieces, tokens, extras = None, [], 0, {}
     for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
                                                 stream=True, stream_options={"include_usage": True},
                                                 extra_body=server.extra_body or None):
@@ -128,7 +137,8 @@ def request(server: Server, model: str, prompt: str, max_tokens: int, stream: bo
             pieces.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
-    return {"text": "".join(pieces), "tokens": tokens, "s": time.perf_counter() - t0, "ttft": ttft}
+        extras.update(_extras(chunk))
+    return {"text": "".join(pieces), "tokens": tokens, "s": time.perf_counter() - t0, "ttft": ttft, **extras}
 
 
 def model_name(server: Server) -> str:
@@ -147,7 +157,7 @@ def sequential(servers: list[Server], rows: list[dict], args) -> dict:
         for row in order:
             for server in (servers if rnd % 2 == 0 else servers[::-1]):
                 r = request(server, models[server.name], row["turns"][0], args.max_tokens, args.stream)
-                got[server.name].setdefault(row["id"], []).append(r)
+                got[server.name].setdefault(row["id"], []).append({**r, "round": rnd + 1, "category": row["category"]})
                 print(f"  round {rnd + 1} {server.name:<12} {row['category']:<13} {r['tokens'] / r['s']:6.1f} tok/s",
                       file=sys.stderr, flush=True)
     return got
@@ -214,7 +224,55 @@ def report(got: dict, rows: list[dict], names: list[str]) -> dict:
     equal = None
     if len(names) == 2:
         equal = sum(got[names[0]][r["id"]][0]["text"] == got[names[1]][r["id"]][0]["text"] for r in rows)
-    return {"per_request_tok_s": table, "texts_equal": equal, "prompts": len(rows)}
+    return {"per_request_tok_s": table, "texts_equal": equal, "prompts": len(rows), "phases": phases(got, rows, names),
+            "requests": got}
+
+
+def phases(got: dict, rows: list[dict], names: list[str]) -> dict:
+    """Where a request's time goes, per category and server, in the client's clock: time to the
+    first token (prompt processing + one token + the wire) and milliseconds per later token
+    (streaming only); beside them what the server measured itself (llama-server's `timings`:
+    prompt and decode ms; specdec: steps that drafted)."""
+    out = {}
+    for cat in CATEGORIES + ("overall",):
+        ids = [r["id"] for r in rows if cat in (r["category"], "overall")]
+        for n in names:
+            rs = [r for i in ids for r in got[n].get(i, [])]
+            timed = [r for r in rs if r["ttft"] is not None and r["tokens"] > 1]
+            if not timed:
+                continue
+            row = {"ttft_s": statistics.mean(r["ttft"] for r in timed),
+                   "decode_ms_per_token": 1000 * sum(r["s"] - r["ttft"] for r in timed)
+                   / sum(r["tokens"] - 1 for r in timed)}
+            served = [r["timings"] for r in timed if "timings" in r]
+            if served:  # llama-server's own clock: prompt processing, and ms per decoded token
+                row["server_prompt_ms"] = statistics.mean(t.get("prompt_ms", 0.0) for t in served)
+                row["server_decode_ms_per_token"] = (sum(t.get("predicted_ms", 0.0) for t in served)
+                                                     / max(1, sum(t.get("predicted_n", 0) for t in served)))
+            info = [r["specdec"] for r in timed if "specdec" in r]
+            if info:
+                row["drafted_tokens"] = sum(i.get("drafted", 0) for i in info)
+                row["target_forwards"] = sum(i.get("target_forwards", 0) for i in info)
+            out.setdefault(cat, {})[n] = row
+    return out
+
+
+def print_phases(summary: dict, names: list[str]) -> None:
+    if not summary["phases"]:
+        return
+    print("\n| where the time goes | " + " | ".join(f"{n} ttft s | {n} ms/token" for n in names) + " |")
+    print("|---|" + "---:|---:|" * len(names))
+    for cat, per in summary["phases"].items():
+        cells = [f"{per[n]['ttft_s']:.3f} | {per[n]['decode_ms_per_token']:.1f}" if n in per else "- | -" for n in names]
+        print(f"| {cat} | " + " | ".join(cells) + " |")
+    for n in names:
+        row = summary["phases"].get("overall", {}).get(n, {})
+        if "server_prompt_ms" in row:
+            print(f"{n}'s own clock (overall): prompt {row['server_prompt_ms']:.1f} ms a request, "
+                  f"decode {row['server_decode_ms_per_token']:.1f} ms a token")
+        if "drafted_tokens" in row:
+            print(f"{n}: {row['drafted_tokens']} tokens drafted in {row['target_forwards']} target forwards "
+                  "over all streamed requests")
 
 
 def print_table(summary: dict, names: list[str]) -> None:
@@ -284,6 +342,7 @@ def main(argv=None) -> int:
         print(f"# {len(rows)} prompts, {args.max_tokens} tokens, {args.rounds} rounds, {args.threads} threads, "
               f"stream {args.stream}, llama-server prompt cache {args.peer_cache}")
         print_table(summary, names)
+        print_phases(summary, names)
         for c, per in summary["aggregate"].items():
             print(f"{c} concurrent streams, aggregate tok/s: " +
                   ", ".join(f"{n} {v['aggregate_tok_s']:.1f}" for n, v in per.items()))

@@ -258,6 +258,8 @@ class SessionRun:
                 emitted = await self._decode("auto", min(remaining, chunk), fallback=draft is None)
                 if draft is not None and chunk == self.coord.settings.decode_chunk:  # (short first chunks: not typical)
                     rates.record(LOCAL, time.perf_counter() - t, len(emitted))
+                elif draft is not None:
+                    rates.skipped(LOCAL)
                 return emitted
             if draft is not None:
                 warm = draft.address == self.draft_addr
@@ -271,6 +273,8 @@ class SessionRun:
                     self._timed("verify", t_verify)
                     if warm and k == self.k:  # (a short last block, or one that loads the draft: not typical)
                         rates.record(DRAFT, time.perf_counter() - t, len(verdict.emitted))
+                    else:
+                        rates.skipped(DRAFT)
                     return verdict.emitted
             return await self._decode("", min(remaining, self.coord.settings.fallback_chunk), fallback=True)
         return await self._decode("" if self.method == "target" else self.method, min(remaining, self._local_chunk()),
@@ -278,9 +282,10 @@ class SessionRun:
 
     def _local_chunk(self) -> int:
         """Tokens for the next Decode on the target alone: 1, 2, 4, ... up to decode_chunk, so the
-        first token streams as soon as it exists and later ones travel in few round trips."""
+        first token streams as soon as it exists and later ones travel in few round trips; never
+        fewer than the tokens generated so far (a session that drafted first takes whole chunks)."""
         self._local_steps += 1
-        return min(self.coord.settings.decode_chunk, 1 << (self._local_steps - 1))
+        return min(self.coord.settings.decode_chunk, max(1 << (self._local_steps - 1), len(self.generated)))
 
     async def _release_target(self) -> None:
         """Release the finished session on its target replica now, not after the answer is sent:

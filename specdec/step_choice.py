@@ -35,6 +35,7 @@ class StepRates:
     _since: int = 0  # decisions since the slower way was last tried
     _gap: int = 0  # the current interval between tries of the slower way
     _exploring: Optional[str] = None  # the way tried for exploration, until its step is recorded
+    _retried: bool = False  # the exploration's first step was not typical (skipped): tried once more
     _sums: dict[str, tuple[float, float]] = field(default_factory=dict)  # way -> running (seconds, tokens) a step
 
     def __post_init__(self) -> None:
@@ -65,11 +66,25 @@ class StepRates:
                 return way
         best = self.faster()
         self._since += 1
+        if self._exploring is not None and self._retried:  # its first step said nothing: once more
+            return self._exploring
         if self._since >= self._gap and self._exploring is None:
             self._since = 0
             self._exploring = DRAFT if best == LOCAL else LOCAL
             return self._exploring
         return best
+
+    def skipped(self, way: str) -> None:
+        """A step taken `way` that says nothing of its usual cost (the one that loads a session
+        into the draft, a short last block): not recorded. An exploration's step that was skipped
+        is taken once more (the next one finds the draft loaded), and then given up until the
+        next exploration, so an exploration never stays open for good."""
+        if way != self._exploring:
+            return
+        if self._retried:
+            self._exploring, self._retried, self._since = None, False, 0
+        else:
+            self._retried = True
 
     def record(self, way: str, seconds: float, emitted: int) -> None:
         """A step taken `way` emitted `emitted` tokens in `seconds` (end to end)."""
@@ -83,6 +98,6 @@ class StepRates:
         self._sums[way] = (seconds, emitted) if old is None else ((1 - w) * old[0] + w * seconds,
                                                                   (1 - w) * old[1] + w * emitted)
         if way == self._exploring:
-            self._exploring = None
+            self._exploring, self._retried = None, False
             still_slower = self.faster() != way
             self._gap = min(2 * self._gap, self.max_explore_after) if still_slower else self.explore_after

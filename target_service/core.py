@@ -85,7 +85,13 @@ class _Step:
     draft_probs: Optional[torch.Tensor] = None  # [k, vocab]
     sampling: SamplingParams = SamplingParams()
     proposer: Optional[Proposer] = None  # Decode: propose on the model thread right before the forward
-    proposer_k: int = 0
+    # Decode: the call's bookkeeping. Its steps record their verdicts here, on the model thread, and
+    # go on there (no hop back to the event loop per token) until it is done or other work waits.
+    progress: Optional[RowProgress] = None
+
+    @property
+    def proposer_k(self) -> int:
+        return self.progress.block_k() if self.proposer is not None and self.progress is not None else 0
 
 
 def check_draft(kind: Optional[DraftKind], k: int, draft_probs: Optional[torch.Tensor],
@@ -234,7 +240,23 @@ class TargetCore:
     # --- the model thread ------------------------------------------------------------------
     def _run_steps(self, steps: Sequence[_Step]) -> list:
         """One verification forward for every step that is ready -> per step its Verdict (or the
-        exception that kept it out of the batch)."""
+        exception that kept it out of the batch). A batch of Decode steps then takes its next forwards
+        here while nothing else waits for the model thread and none of them is done (whose caller
+        is answered at once: the others go on in the next batch)."""
+        results = self._forward_steps(steps)
+        while True:
+            decodes = [i for i, st in enumerate(steps) if st.progress is not None and isinstance(results[i], Verdict)]
+            for i in decodes:
+                steps[i].progress.record(results[i])
+                steps[i].position = None  # in sync from here on
+            # Go on only while every step of the batch does: a finished one's caller gets its answer now.
+            if len(decodes) < len(steps) or any(steps[i].progress.done for i in decodes) or self.batcher.others_waiting():
+                return results
+            self.metrics.batch_size.observe(len(steps))
+            results = self._forward_steps(steps)
+
+    def _forward_steps(self, steps: Sequence[_Step]) -> list:
+        """One verification forward for every step that is ready (see _run_steps)."""
         results: list = [None] * len(steps)
         ready: list[tuple[int, RowStep]] = []
         for i, st in enumerate(steps):
@@ -333,13 +355,9 @@ class TargetCore:
                 proposer = sess.proposers.get(method)
                 if proposer is None:
                     proposer = sess.proposers[method] = await self.batcher.run_alone(self.methods[method])
-            position: Optional[Position] = pos  # the first step syncs; the later ones follow on
+            step = _Step(sess, pos, sampling=sampling, proposer=proposer, progress=progress)  # the first syncs
             while not progress.done:
-                k_step = progress.block_k() if proposer is not None else 0
-                verdict = await self.batcher.submit(_Step(sess, position, sampling=sampling, proposer=proposer,
-                                                          proposer_k=k_step))
-                position = None
-                progress.record(verdict)
+                await self.batcher.submit(step)  # takes one forward or more (_run_steps)
         s = progress.stats
         return dict(emitted=tuple(progress.checker.generated), method=method, target_forwards=s.target_forwards,
                     num_drafted=s.drafted, num_accepted=s.accepted)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Optional, Sequence, TypeVar
 
@@ -59,6 +60,8 @@ class MicroBatcher(Generic[T]):
         self._last_run_s = 0.0
         self._queue: asyncio.Queue[_Item[T]] = asyncio.Queue()
         self._worker: Optional[asyncio.Task] = None
+        self._alone_waiting = 0  # run_alone calls not started yet (counted from two threads)
+        self._alone_lock = threading.Lock()
 
     def _ensure_worker(self) -> None:
         if self._worker is None or self._worker.done():
@@ -75,7 +78,30 @@ class MicroBatcher(Generic[T]):
 
     async def run_alone(self, fn: Callable[[], Any]) -> Any:
         """Run one function on the model thread (e.g. a prefill), in turn with the batches."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+        waiting = [True]  # counted in _alone_waiting until it starts (or is cancelled unstarted)
+
+        def stop_waiting() -> None:
+            with self._alone_lock:
+                if waiting[0]:
+                    waiting[0] = False
+                    self._alone_waiting -= 1
+
+        def run() -> Any:
+            stop_waiting()
+            return fn()
+
+        with self._alone_lock:
+            self._alone_waiting += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, run)
+        finally:
+            stop_waiting()
+
+    def others_waiting(self) -> bool:
+        """Whether work waits for the model thread (requests queued, functions to run alone). Read
+        from the model thread by a batch that could go on (a Decode's next tokens): it goes on
+        only while this is false, so it never keeps another session waiting."""
+        return self._alone_waiting > 0 or not self._queue.empty()
 
     def _gauge(self) -> None:
         if self.metrics is not None:

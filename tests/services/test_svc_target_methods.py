@@ -101,3 +101,36 @@ def test_verify_asks_for_no_hidden_state_and_a_hidden_reading_method_takes_over_
     for toks, hidden in probe.seen:
         ref = long_target.forward(long_target.new_cache(1), torch.tensor([list(toks[:-1])]), want_hidden=True)
         assert torch.allclose(hidden, ref.hidden[0, -1], atol=1e-5)
+
+
+def test_a_long_decode_goes_on_in_the_model_thread_yet_lets_another_session_in(long_target):
+    """A Decode takes its forwards one after another on the model thread (no hop back to the event
+    loop per token), but never while another session waits: a session that arrives meanwhile is
+    served between two of its tokens, and both outputs are plain decoding's."""
+    from specdec.decode import plain_generate
+    from specdec.types import StopConditions
+
+    long_prompt, short_prompt = PROMPTS
+
+    async def scenario():
+        core = TargetCore(long_target, TargetSettings(prefix_cache_mb=0), methods={})
+        try:
+            await core.prefill("long-0001", long_prompt)
+            pos = Position(len(long_prompt), (), token_digest(long_prompt))
+            long = asyncio.create_task(core.decode("long-0001", pos, 400, "plain", SamplingParams()))
+            await asyncio.sleep(0.05)
+            assert not long.done(), "the long Decode ended before the other session came: the test shows nothing"
+            await core.prefill("short-0002", short_prompt)
+            short = await core.decode("short-0002", Position(len(short_prompt), (), token_digest(short_prompt)), 4,
+                                      "plain", SamplingParams())
+            served_between = not long.done()
+            return await long, short, served_between, mean_batch_size(core.metrics)
+        finally:
+            await core.close()
+
+    long_out, short_out, served_between, per_forward = run(scenario())
+    assert served_between, "the other session waited for the whole long Decode"
+    assert per_forward >= 1.0
+    want = plain_generate(long_target, [long_prompt, short_prompt], stop=StopConditions(max_new_tokens=400))
+    assert list(long_out["emitted"]) == list(want[0].token_ids)
+    assert list(short_out["emitted"]) == list(want[1].token_ids)[:4]

@@ -54,3 +54,32 @@ def test_bad_settings_are_refused():
         StepRates(weight=0)
     with pytest.raises(ValueError):
         StepRates(explore_after=0)
+
+
+def test_an_exploration_whose_step_was_not_typical_is_taken_once_more_then_given_up():
+    """The step that loads a session into the draft is not recorded; the exploration takes the
+    next one (warm), and an exploration that never gets a typical step does not stay open."""
+    rates = StepRates(explore_after=4, max_explore_after=4)
+    _drive(rates, {LOCAL: 0.010, DRAFT: 0.025}, 2)  # both measured: LOCAL faster
+    ways = []
+    for _ in range(4):
+        ways.append(rates.choose(draft_available=True))
+        if ways[-1] == LOCAL:
+            rates.record(LOCAL, 0.08, 8)
+    assert ways[-1] == DRAFT  # the exploration
+    rates.skipped(DRAFT)  # cold: loaded the draft
+    assert rates.choose(draft_available=True) == DRAFT  # once more
+    rates.record(DRAFT, 0.2, 8)
+    assert rates.choose(draft_available=True) == LOCAL
+    # An exploration skipped twice is given up, and the next comes after the usual gap.
+    while (way := rates.choose(draft_available=True)) == LOCAL:
+        rates.record(LOCAL, 0.08, 8)
+    rates.skipped(DRAFT)
+    assert rates.choose(draft_available=True) == DRAFT
+    rates.skipped(DRAFT)
+    after = []
+    for _ in range(6):
+        after.append(rates.choose(draft_available=True))
+        if after[-1] == LOCAL:
+            rates.record(LOCAL, 0.08, 8)
+    assert after[:3] == [LOCAL] * 3 and DRAFT in after
