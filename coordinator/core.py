@@ -22,6 +22,7 @@ from specdec.errors import FailedPrecondition, InvalidRequest, NotFound, Overloa
 from specdec.rpc.metrics import ServiceMetrics
 from specdec.sessions import check_session_id, check_token_ids
 from specdec.step_choice import StepRates
+from coordinator.affinity import PrefixAffinity
 from specdec.stopping import IncrementalText, StopChecker, cut_at_stop_string
 from specdec.types import ModelInfo, SamplingParams, StopConditions
 from coordinator.records import STORE_DOWN, SessionRecord
@@ -101,6 +102,7 @@ class Coordinator:
         self.runs: dict[str, SessionRun] = {}
         self.background: set[asyncio.Task] = set()  # fire-and-forget calls (cache releases)
         self.step_rates = StepRates()  # auto: drafting or the target alone, by measured cost per token
+        self.affinity = PrefixAffinity()  # which target replica read which prefixes (a new session's home)
         self._info: Optional[ModelInfo] = None
         self._tokenizer = None
         self._longest_token = 1  # characters of the tokenizer's longest vocabulary entry
@@ -317,6 +319,10 @@ class Coordinator:
         if req.resume_from > len(run.generated):
             raise InvalidRequest(f"resume_from {req.resume_from} is beyond the {len(run.generated)} tokens generated")
         return run, req.resume_from
+
+    def target_load(self, address: str) -> int:
+        """Sessions running with their home on this target replica."""
+        return sum(1 for r in self.runs.values() if r.target_home == address and not r.finished)
 
     def run_ended(self, run: SessionRun) -> None:
         if self.runs.get(run.session_id) is run:

@@ -90,7 +90,11 @@ class ReplicaPool(Generic[C]):
         now = time.monotonic()
         return [a for a, r in self.replicas.items() if r.usable and r.healthy and now >= r.open_until]
 
-    def pick(self, session_id: str) -> Optional[Replica[C]]:
+    def pick(self, session_id: str, prefer: Optional[str] = None) -> Optional[Replica[C]]:
+        """The replica for this session: `prefer` while it is live (a session's home, chosen by
+        prefix affinity), else the ring's choice."""
+        if prefer is not None and prefer in self.live():
+            return self.replicas[prefer]
         members = frozenset(self.live())
         if members != self._ring_members or self._ring is None:
             self._ring, self._ring_members = HashRing(members), members

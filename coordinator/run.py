@@ -41,6 +41,7 @@ from specdec.step_choice import DRAFT, LOCAL, StepRates
 from specdec.stopping import StopChecker
 from specdec.types import DraftBlock, GenerationStats, SamplingParams, StopConditions
 from specdec.verify import common_prefix_len
+from coordinator.affinity import PrefixAffinity
 from coordinator.records import SessionRecord
 
 if TYPE_CHECKING:
@@ -65,6 +66,9 @@ class RunHost(Protocol):
     metrics: ServiceMetrics
     background: set[asyncio.Task]  # fire-and-forget calls the host awaits on close
     step_rates: StepRates  # what each way of taking a step has cost per token (auto's choice)
+    affinity: PrefixAffinity  # which target replica read which prefixes
+
+    def target_load(self, address: str) -> int: ...
 
     @property
     def vocab_size(self) -> int: ...
@@ -123,6 +127,7 @@ class SessionRun:
     draft_known: list[int] = field(default_factory=list)
     target_addr: Optional[str] = None
     target_known: list[int] = field(default_factory=list)
+    target_home: Optional[str] = None  # the target replica chosen at start (prefix affinity or the ring)
     pending: Optional[_Pending] = None
     last_fully_accepted: bool = False  # the last verified block was accepted whole
     draft_refused: bool = False  # the draft refused this session's request: the target continues it alone
@@ -293,6 +298,7 @@ class SessionRun:
         rep = self.coord.target_pool.replicas.get(self.target_addr) if self.target_addr else None
         self.target_addr = None  # (_release_caches leaves it alone)
         if rep is not None:
+            self.coord.affinity.remember(self.tokens, rep.address)  # what its prefix cache now holds
             try:
                 await rep.client.release(self.session_id)
             except SpecdecError:
@@ -332,6 +338,7 @@ class SessionRun:
             try:
                 await rep.client.prefill(self.session_id, committed)
                 self.target_addr, self.target_known = rep.address, committed
+                self.coord.affinity.remember(committed, rep.address)
             except SpecdecError as exc:
                 if replica_fault(exc):
                     self.coord.target_pool.mark_failed(rep.address, str(exc))
@@ -342,7 +349,7 @@ class SessionRun:
                                                 and self.coord.step_rates.wants_draft())
             if wanted and (rep := self.coord.draft_pool.pick(self.session_id)) is not None:
                 tg.create_task(draft(rep))
-            if (rep := self.coord.target_pool.pick(self.session_id)) is not None:
+            if (rep := self._pick_target()) is not None:
                 tg.create_task(target(rep))
 
     # --- draft -----------------------------------------------------------------------------
@@ -426,12 +433,22 @@ class SessionRun:
         return block
 
     # --- target ----------------------------------------------------------------------------
+    def _pick_target(self):
+        """The session's target replica: its home while that is live (chosen once, at the first
+        pick: the replica that read its longest prefix, coordinator.affinity), else the ring's."""
+        pool = self.coord.target_pool
+        if self.target_home is None or self.target_home not in pool.live():
+            ring = pool.pick(self.session_id)
+            self.target_home = self.coord.affinity.home(self.tokens, ring.address if ring else None, pool.live(),
+                                                        self.coord.target_load)
+        return pool.pick(self.session_id, prefer=self.target_home)
+
     async def _target(self):
         pool = self.coord.target_pool
-        rep = pool.pick(self.session_id)
+        rep = self._pick_target()
         if rep is None:
             await pool.wait_for_live(self.coord.settings.target_wait_s)
-            rep = pool.pick(self.session_id)
+            rep = self._pick_target()
             if rep is None:
                 raise Unavailable(self._target_gone())
         return rep

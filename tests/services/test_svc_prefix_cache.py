@@ -56,3 +56,41 @@ def test_the_prefix_cache_serves_shared_prompts_and_earlier_turns_and_output_sta
     # the first session's KV (its prompt and answer but the last token), in whole blocks of 16
     assert turn >= 16 * ((len(system) + 2 + 20 - 1) // 16), "the second turn did not reuse the first turn"
     assert 0 < held <= 1 << 20
+
+
+def test_a_conversations_next_turn_goes_to_the_target_replica_that_holds_its_first(redis_url, long_target):
+    """Two target replicas: the second turn's session id hashes to the other replica, yet it runs
+    where the first turn ran (prefix affinity) and reuses the first turn's KV there; a session
+    with an unrelated prompt still follows the ring."""
+    from coordinator.routing import HashRing
+    from tests.services.stack import local_stack, run
+
+    start = [(7 * i + 3) % 90 + 3 for i in range(50)]
+
+    async def scenario():
+        async with local_stack(redis_url, long_target, n_targets=2,
+                               target_settings=TargetSettings(prefix_cache_mb=1)) as st:
+            by_address = {t.address: t.core for t in st.targets}
+            ring = HashRing(by_address)
+            first = await st.client.generate(st.client.request(token_ids=start, max_tokens=20, method="plain",
+                                                                session_id="turn-one-0001"))
+            home = ring.pick("turn-one-0001")
+            other = next(a for a in by_address if a != home)
+            second_id = next(f"turn-two-{i:04d}" for i in range(1000) if ring.pick(f"turn-two-{i:04d}") == other)
+            hits = {a: _counter(c.metrics.prefix_cache_hits) for a, c in by_address.items()}
+            turn2 = start + list(first.token_ids) + [21, 22]
+            second = await st.client.generate(st.client.request(token_ids=turn2, max_tokens=20, method="plain",
+                                                                 session_id=second_id))
+            gained = {a: _counter(c.metrics.prefix_cache_hits) - hits[a] for a, c in by_address.items()}
+            prefills = {a: c.prefills.get(second_id, 0) for a, c in by_address.items()}
+            unrelated_id = next(f"other-{i:04d}" for i in range(1000) if ring.pick(f"other-{i:04d}") == other)
+            await st.client.generate(st.client.request(token_ids=[40, 41, 42, 43], max_tokens=4, method="plain",
+                                                       session_id=unrelated_id))
+            unrelated = {a: c.prefills.get(unrelated_id, 0) for a, c in by_address.items()}
+            return home, other, second, turn2, gained, prefills, unrelated
+
+    home, other, second, turn2, gained, prefills, unrelated = run(scenario())
+    assert prefills[home] >= 1 and prefills[other] == 0, "the second turn did not go to the first turn's replica"
+    assert gained[home] >= 16 * ((len(start) + 20 - 1) // 16), "the second turn did not reuse the first turn's KV"
+    assert_greedy_equal(long_target, turn2, second.token_ids, _plain(long_target, turn2, 20))
+    assert unrelated[other] >= 1 and unrelated[home] == 0, "an unrelated session left the ring's choice"

@@ -60,3 +60,26 @@ def test_ready_endpoints_from_endpoint_slices():
                         ports=[DiscoveryV1EndpointPort(name="grpc", port=50062)], endpoints=[ep("10.1.0.8")]),
     ]
     assert ready_addresses(slices, "grpc") == ["10.1.0.5:50062", "10.1.0.8:50062"]
+
+
+def test_prefix_affinity_prefers_the_replica_that_read_the_longest_prefix_unless_it_is_much_busier():
+    from coordinator.affinity import PrefixAffinity
+
+    aff = PrefixAffinity(min_tokens=32, slack=2)
+    doc = list(range(100, 164))  # 4 blocks
+    aff.remember(doc[:32], "a:1")
+    aff.remember(doc, "b:1")  # the longer prefix is on b
+    idle = {"a:1": 0, "b:1": 0, "c:1": 0}.__getitem__
+    live = ["a:1", "b:1", "c:1"]
+    assert aff.home(doc + [5, 6], "c:1", live, idle) == "b:1"
+    assert aff.home(doc[:40], "c:1", live, idle) == "b:1"  # remembered last for its first blocks too
+    assert aff.home(doc[:20], "c:1", live, idle) == "c:1"  # under min_tokens: the ring
+    assert aff.home([1, 2, 3] * 20, "c:1", live, idle) == "c:1"  # nothing remembered
+    assert aff.home(doc, "c:1", ["a:1", "c:1"], idle) == "c:1"  # b is not live
+    busy = {"a:1": 0, "b:1": 5, "c:1": 2}.__getitem__
+    assert aff.home(doc, "c:1", live, busy) == "c:1"  # b runs 5 sessions, c 2: more than slack apart
+    fair = {"a:1": 0, "b:1": 4, "c:1": 2}.__getitem__
+    assert aff.home(doc, "c:1", live, fair) == "b:1"
+    small = PrefixAffinity(max_prefixes=3)
+    small.remember(doc, "a:1")  # 4 prefixes, the shortest forgotten
+    assert len(small) == 3 and small.holder(doc[:16]) == (None, 0) and small.holder(doc) == ("a:1", 64)
