@@ -43,6 +43,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "and for other Llama-family float32 models on CPU; else hf)")
     p.add_argument("--heads", default=None, metavar="DIR",
                    help="Medusa heads directory for --method medusa (default: the heads shipped for the target)")
+    p.add_argument("--eagle", default=None, metavar="DIR",
+                   help="EAGLE draft directory for --method eagle, made by `specdec train eagle` (default: the one "
+                        "shipped for the target)")
     p.add_argument("--tree", default=None,
                    help="Medusa tree: auto (default, measured), chain, a node count N, or JSON paths like [[0],[0,0],[1]]")
     p.add_argument("--typical", action="store_true",
@@ -82,7 +85,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     lookahead = _lookahead_config(args)
     _quiet_model_loading()
     config = EngineConfig(target=args.target, draft=args.draft if args.method == "draft" else None, lookahead=lookahead,
-                          backend=args.backend, medusa_heads=args.heads, medusa_tree=args.tree, methods=(args.method,))
+                          backend=args.backend, medusa_heads=args.heads, medusa_tree=args.tree, methods=(args.method,),
+                          eagle_dir=args.eagle)
     engine = Engine(config, costs=default_cost_store(config, notify=_say))
     method = engine.resolve_method(args.method)
     out = engine.complete(args.prompt, method=method, sampling=sampling, stop=stop, k=k, chat=not args.no_chat,
@@ -113,9 +117,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train proposers for a target")
     tsub = p.add_subparsers(dest="train_command", required=True)
     _add_train_medusa(tsub)
-    from specdec.training.commands import add_train_data, add_train_draft
+    from specdec.training.commands import add_train_data, add_train_draft, add_train_eagle
 
     add_train_draft(tsub)
+    add_train_eagle(tsub)
     add_train_data(tsub)
 
 

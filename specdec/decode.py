@@ -178,6 +178,18 @@ def _drop_finished(cache, active: list[int], rows: Sequence[RowProgress], t0: fl
     return [active[i] for i in alive]
 
 
+def _prompt_states(hidden: Optional[torch.Tensor], lens: Sequence[int], want_hidden: bool,
+                   want_features: bool) -> tuple[list, list[list[torch.Tensor]]]:
+    """A prefill's hidden states ([batch, hidden] at each row's last token, or [batch, width,
+    hidden] at every position with want_features) -> per row: the state behind its last token
+    (None unless want_hidden), and its prompt positions' states ([[len, hidden]]; [] unless
+    want_features)."""
+    if not want_features:
+        return (list(hidden) if want_hidden else [None] * len(lens)), [[] for _ in lens]
+    last = [hidden[b, n - 1] for b, n in enumerate(lens)] if want_hidden else [None] * len(lens)
+    return last, [[hidden[b, :n]] for b, n in enumerate(lens)]
+
+
 def _finish(rows: Sequence[RowProgress]) -> list[GenerationResult]:
     return [GenerationResult(tuple(r.checker.generated), r.checker.finish_reason or "length", r.stats) for r in rows]
 
@@ -231,10 +243,11 @@ def speculative_generate(
     target_gens = _row_generators(sampling.seed, len(prompts))
     draft_gens = _row_generators(draft_seed(sampling.seed), len(prompts))
     want_hidden = proposer.needs_hidden
+    want_features = getattr(proposer, "needs_features", False)  # a proposer need not subclass Proposer
     cache = target.new_cache(len(prompts))
     # 0. prefill: a target forward that emits one token, exactly as in plain decoding.
-    first = target.prefill(cache, [list(p) for p in prompts], want_hidden=want_hidden)
-    hidden = list(first.hidden) if want_hidden else [None] * len(prompts)  # per row: state behind its last token
+    first = target.prefill(cache, [list(p) for p in prompts], want_hidden=want_hidden, all_hidden=want_features)
+    hidden, features = _prompt_states(first.hidden, [len(p) for p in prompts], want_hidden, want_features)
     for b, row_logits in enumerate(first.logits):
         _record_token(rows, b, next_token(row_logits, sampling, target_gens[b]), on_emit)
     active = _drop_finished(cache, list(range(len(prompts))), rows, t0)
@@ -243,15 +256,21 @@ def speculative_generate(
         ctx = ProposeContext(row_ids=tuple(active), token_ids=tuple(rows[b].committed for b in active),
                              k=tuple(rows[b].block_k() for b in active), sampling=sampling,
                              target_hidden=tuple(hidden[b] for b in active) if want_hidden else None,
+                             target_features=(tuple(torch.cat(features[b]) for b in active) if want_features
+                                              else None),
                              generators=tuple(draft_gens[b] for b in active))
-        proposals = proposer.propose(ctx) if any(ctx.k) else [Proposal() for _ in active]
+        proposed = any(ctx.k)
+        proposals = proposer.propose(ctx) if proposed else [Proposal() for _ in active]
         # 2. score, 3. accept, 4. commit / roll back: one target forward for every row.
         steps = [RowStep(rows[b].last_token, prop, sampling, target_gens[b], row_id=b)
                  for b, prop in zip(active, proposals)]
-        outcomes = verify_step(target, cache, steps, want_hidden)
+        outcomes = verify_step(target, cache, steps, want_hidden, want_features)
         for out in outcomes:
+            b = out.verdict.row_id
             _record(rows, out.verdict, on_emit)
-            hidden[out.verdict.row_id] = out.hidden
+            hidden[b] = out.hidden
+            if want_features:  # kept until a propose() call has been handed them
+                features[b] = ([] if proposed else features[b]) + [out.features]
         # 5. observe.
         proposer.observe([out.verdict for out in outcomes])
         active = _drop_finished(cache, active, rows, t0)

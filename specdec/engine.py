@@ -39,6 +39,9 @@ class EngineConfig:
     medusa_heads: Optional[str] = None  # Medusa heads directory (None: the heads shipped for the target)
     medusa_tree: Optional[str] = None  # Medusa tree: None/"auto", "chain", a node count, or JSON paths
     lookahead: LookaheadConfig = LookaheadConfig()  # window W, n-gram size N, guesses G for "lookahead"
+    # EAGLE draft directory for "eagle" (None: the one shipped for the target in
+    # specdec/assets/eagle/<target>/, made by `specdec train eagle`)
+    eagle_dir: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,8 @@ class Engine:
         if method == PLAIN:
             return None
         if method not in self._factories:
-            env = ProposerEnv(self.target.lm, self.config, self.costs, lambda: self.require_draft().lm)
+            env = ProposerEnv(self.target.lm, self.config, self.costs, lambda: self.require_draft().lm,
+                              gives_features=True)  # speculative_generate hands proposers the features
             self._factories[method] = load_proposer(method, env)
         return self._factories[method]
 

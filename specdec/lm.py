@@ -32,6 +32,31 @@ def scatter_subset_logits(sub: torch.Tensor, token_ids: torch.Tensor, vocab_size
     return full
 
 
+def attention_inputs(cache: KVCache, shape: tuple[int, int], block_mask: Optional[torch.Tensor],
+                     depth: Optional[torch.Tensor], input_valid: Optional[torch.Tensor], dtype: torch.dtype,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention inputs of q new inputs per row against a validity-masked cache: shape
+    (batch, q); block_mask [batch, q, q] bool (None: causal); depth [batch, q] (None: 0..q-1);
+    input_valid [batch, q] (None: all) -> (additive mask [batch, 1, q, slots + q] in `dtype`,
+    position ids [batch, q]). Padding attends to itself only; nothing attends to padding."""
+    batch, q = shape
+    dev = device
+    if block_mask is None:
+        block_mask = torch.ones(q, q, dtype=torch.bool, device=dev).tril().expand(batch, q, q)
+    if depth is None:
+        depth = torch.arange(q, device=dev).expand(batch, q)
+    if input_valid is None:
+        input_valid = torch.ones(batch, q, dtype=torch.bool, device=dev)
+    eye = torch.eye(q, dtype=torch.bool, device=dev)
+    new = (block_mask.to(dev) & input_valid.to(dev)[:, None, :]) | eye  # [batch, q, q]; padding sees itself only
+    past = cache.valid[:, None, :].expand(batch, q, cache.num_slots)  # [batch, q, slots]
+    allowed = torch.cat([past, new], dim=2)  # [batch, q, slots + q]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=dev)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    positions = cache.lengths[:, None].to(dev) + depth.to(dev)  # [batch, q]
+    return mask[:, None], positions
+
+
 class CausalLM:
     """A transformers causal LM in eval mode, plus what the engine needs to know about it."""
 
@@ -90,22 +115,7 @@ class CausalLM:
                           depth: Optional[torch.Tensor], input_valid: Optional[torch.Tensor]
                           ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (additive mask [batch, 1, q, slots + q], position ids [batch, q]) for `forward`."""
-        batch, q = input_ids.shape
-        dev = self.device
-        if block_mask is None:
-            block_mask = torch.ones(q, q, dtype=torch.bool, device=dev).tril().expand(batch, q, q)
-        if depth is None:
-            depth = torch.arange(q, device=dev).expand(batch, q)
-        if input_valid is None:
-            input_valid = torch.ones(batch, q, dtype=torch.bool, device=dev)
-        eye = torch.eye(q, dtype=torch.bool, device=dev)
-        new = (block_mask.to(dev) & input_valid.to(dev)[:, None, :]) | eye  # [batch, q, q]; padding sees itself only
-        past = cache.valid[:, None, :].expand(batch, q, cache.num_slots)  # [batch, q, slots]
-        allowed = torch.cat([past, new], dim=2)  # [batch, q, slots + q]
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=dev)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        positions = cache.lengths[:, None].to(dev) + depth.to(dev)  # [batch, q]
-        return mask[:, None], positions
+        return attention_inputs(cache, input_ids.shape, block_mask, depth, input_valid, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(
@@ -147,10 +157,12 @@ class CausalLM:
 
     @torch.inference_mode()
     def prefill(self, cache: KVCache, prompts: list[list[int]] | list[tuple[int, ...]],
-                want_hidden: bool = False) -> ForwardOutput:
+                want_hidden: bool = False, all_hidden: bool = False) -> ForwardOutput:
         """Feed prompts of different lengths (right-padded) into an empty or partly filled cache.
 
-        Returns logits [batch, vocab] (and hidden [batch, hidden]) at each row's last prompt token.
+        Returns logits [batch, vocab] (and hidden [batch, hidden]) at each row's last prompt token;
+        all_hidden: hidden [batch, width, hidden] at every fed position instead, row b's in its
+        first len(prompts[b]) columns (the features an EAGLE draft reads: specdec.eagle).
         """
         lens = torch.tensor([len(p) for p in prompts])
         width = int(lens.max())
@@ -161,7 +173,7 @@ class CausalLM:
         rows = torch.arange(len(prompts))
         last = lens - 1  # [batch]
         cols, inverse = torch.unique(last, return_inverse=True)
-        out = self.forward(cache, ids, input_valid=valid, logits_at=cols, want_hidden=want_hidden)
+        out = self.forward(cache, ids, input_valid=valid, logits_at=cols, want_hidden=want_hidden or all_hidden)
         cache.keep_last(valid)
-        hidden = out.hidden[rows, last] if want_hidden else None  # [batch, hidden]
+        hidden = out.hidden if all_hidden else out.hidden[rows, last] if want_hidden else None
         return ForwardOutput(logits=out.logits[rows, inverse], hidden=hidden)  # logits [batch, vocab]

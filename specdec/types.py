@@ -88,6 +88,12 @@ class ProposeContext:
     # last-layer hidden state [hidden] at the token before the last committed one, i.e. the
     # state whose logits produced the last committed token.
     target_hidden: Optional[tuple[torch.Tensor, ...]] = None
+    # Only for proposers with `needs_features = True` (EAGLE drafts): per row, [n, hidden] the
+    # target's last-layer hidden states (after the final norm) at the committed positions this
+    # proposer has not been given yet, in order: every prompt position at the first step, then
+    # the root and accepted path of each verified block. They always end at the token before
+    # the last committed one (the last one is the next block's root: its state is not known yet).
+    target_features: Optional[tuple[torch.Tensor, ...]] = None
     # Sampling proposers only: per row, the generator that row's samples come from, so a seeded
     # row drafts the same tokens whatever rows share its batch. None: the proposer's own generator.
     generators: Optional[tuple[torch.Generator, ...]] = None

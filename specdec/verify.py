@@ -46,6 +46,9 @@ class RowStep:
 class StepOutcome:
     verdict: Verdict  # row_id is the step's row_id
     hidden: Optional[torch.Tensor] = None  # [hidden] target state that produced the last emitted token
+    # [1 + accepted, hidden] target states of the root and the accepted path (want_features):
+    # the positions this step committed to the cache, in order.
+    features: Optional[torch.Tensor] = None
 
 
 def verify_block(proposal: Proposal, root: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
@@ -112,12 +115,14 @@ def _verdict(row: RowStep, path: Sequence[int], nxt: int, logits: torch.Tensor) 
 
 
 def verify_step(target: CausalLM, cache: KVCache, rows: Sequence[RowStep],
-                want_hidden: bool = False) -> list[StepOutcome]:
+                want_hidden: bool = False, want_features: bool = False) -> list[StepOutcome]:
     """Score every row's block in one forward over `cache` (row i of the cache is rows[i]),
-    accept, and keep each row's root and accepted path in the cache."""
+    accept, and keep each row's root and accepted path in the cache. want_hidden / want_features:
+    each outcome also carries the target's state behind the last emitted token / the states of
+    the positions kept."""
     # 2. score: one target forward over every row's [root] + drafted nodes (+ aux inputs).
     ids, mask, depth, valid = pack_blocks([verify_block(r.proposal, r.root) for r in rows])
-    out = target.forward(cache, ids, mask, depth, valid, want_hidden=want_hidden)
+    out = target.forward(cache, ids, mask, depth, valid, want_hidden=want_hidden or want_features)
     logits = out.logits  # [rows, q, vocab]
     # 3. accept, 4. commit: keep the root and the accepted path in the cache, drop the rest.
     keep = torch.zeros_like(valid)  # [rows, q]
@@ -125,10 +130,11 @@ def verify_step(target: CausalLM, cache: KVCache, rows: Sequence[RowStep],
     for i, row in enumerate(rows):
         n = len(row.proposal.token_ids)
         path, nxt = accept_block(row.proposal, logits[i, : n + 1], row.sampling, row.generator)
-        keep[i, 0] = True
-        keep[i, [p + 1 for p in path]] = True
-        hidden = out.hidden[i, path[-1] + 1 if path else 0] if want_hidden else None
-        outcomes.append(StepOutcome(_verdict(row, path, nxt, logits[i]), hidden))
+        kept = [0] + [p + 1 for p in path]  # block columns of the root and the accepted path
+        keep[i, kept] = True
+        hidden = out.hidden[i, kept[-1]] if want_hidden else None
+        features = out.hidden[i, kept] if want_features else None  # [1 + accepted, hidden]
+        outcomes.append(StepOutcome(_verdict(row, path, nxt, logits[i]), hidden, features))
     cache.keep_last(keep)
     return outcomes
 

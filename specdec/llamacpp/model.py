@@ -389,9 +389,10 @@ class LlamaCppLM:
 
     @torch.inference_mode()
     def prefill(self, cache: LlamaCppCache, prompts: Sequence[Sequence[int]],
-                want_hidden: bool = False) -> ForwardOutput:
+                want_hidden: bool = False, all_hidden: bool = False) -> ForwardOutput:
         """Feed prompts of different lengths; logits [batch, vocab] (and hidden [batch, hidden]) at
-        each row's last token."""
+        each row's last token. all_hidden: hidden [batch, width, hidden] at every fed position
+        instead (as CausalLM.prefill; llama.cpp then computes every position's logits too)."""
         lens = torch.tensor([len(p) for p in prompts])
         width = int(lens.max())
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -399,10 +400,14 @@ class LlamaCppLM:
             ids[b, : len(p)] = torch.tensor(list(p), dtype=torch.long)
         valid = torch.arange(width)[None, :] < lens[:, None]  # [batch, width]
         last = lens - 1
+        rows = torch.arange(len(prompts))
+        if all_hidden:  # llama.cpp returns hidden states only where it computes logits
+            out = self.forward(cache, ids, input_valid=valid, want_hidden=True)
+            cache.settle()
+            return ForwardOutput(logits=out.logits[rows, last], hidden=out.hidden)
         cols, inverse = torch.unique(last, return_inverse=True)
         out = self.forward(cache, ids, input_valid=valid, logits_at=cols, want_hidden=want_hidden)
         cache.settle()
-        rows = torch.arange(len(prompts))
         return ForwardOutput(logits=out.logits[rows, inverse], hidden=out.hidden[rows, last] if want_hidden else None)
 
 

@@ -33,6 +33,9 @@ class Proposer(Protocol):
     name: str
     # True: propose() reads ctx.target_hidden, so the loop keeps the target's last hidden state.
     needs_hidden: bool = False
+    # True: propose() reads ctx.target_features, the target's hidden states at every committed
+    # position (handed over once each), so the loop keeps them until the proposer has them.
+    needs_features: bool = False
 
     def propose(self, ctx: ProposeContext) -> Sequence[Proposal]:
         """One proposal per row of ctx, in the same order; at most ctx.k[b] tokens deep."""
@@ -53,6 +56,9 @@ class ProposerEnv:
     costs: "CostStore"  # this machine's measured costs, for automatic choices (the Medusa tree)
     # The draft model, loaded on first call; raises FailedPrecondition where none runs (the target service).
     load_draft: Callable[[], "CausalLM"]
+    # Whether the loop these proposers run in hands them ctx.target_features (needs_features):
+    # speculative_generate does; the target service's Decode does not.
+    gives_features: bool = False
 
 
 ProposerFactory = Callable[[], Proposer]

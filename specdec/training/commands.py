@@ -1,5 +1,5 @@
-"""CLI subcommands for drafts and training data: `specdec train draft`, `specdec train data`,
-`specdec eval draft`. Registered by specdec/cli.py."""
+"""CLI subcommands for drafts and training data: `specdec train draft`, `specdec train eagle`,
+`specdec train data`, `specdec eval draft`. Registered by specdec/cli.py."""
 
 from __future__ import annotations
 
@@ -62,6 +62,66 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
                 target_name=_target_name(args.target),
                 time_budget_s=None if args.time_budget is None else args.time_budget * 60,
                 max_steps=args.steps, resume=args.resume)
+    return 0
+
+
+EAGLE_DATA = (Path("data/real"), Path("data/selfdistill"), Path("data/documents"))
+
+
+def add_train_eagle(tsub: argparse._SubParsersAction) -> None:
+    from specdec.training.eagle import EagleRecipe
+
+    d = EagleRecipe()
+    p = tsub.add_parser("eagle", help="train an EAGLE draft (one decoder layer over the target's features)")
+    p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, type=Path, help="EAGLE directory to write (rewritten at every checkpoint)")
+    p.add_argument("--data", action="append", type=Path, default=None,
+                   help=f"self-distilled data directory (repeatable; default: those of "
+                        f"{', '.join(map(str, EAGLE_DATA))} that exist)")
+    p.add_argument("--work", type=Path, default=None,
+                   help="checkpoint + teacher feature cache folder (default runs/eagle)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--time-budget", type=float, default=None, metavar="MIN",
+                        help="minutes, teacher pass included (it takes at most half), summed over resumed runs")
+    budget.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps (after a teacher pass over all the data)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --work")
+    p.add_argument("--vocab", type=int, default=d.vocab, help=f"draftable vocabulary size (default {d.vocab})")
+    p.add_argument("--tokens-per-step", type=int, default=d.tokens_per_step,
+                   help=f"positions per optimizer step (default {d.tokens_per_step})")
+    p.add_argument("--unroll", type=int, default=d.unroll,
+                   help=f"training steps per batch, all but the first on the draft's own features (default {d.unroll})")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"learning rate, AdamW (default {d.lr})")
+    p.add_argument("--checkpoint-every", type=float, default=5.0, metavar="MIN",
+                   help="minutes between checkpoints (default 5)")
+    p.add_argument("--backend", default="fast", help="target backend for the teacher (default fast)")
+    p.set_defaults(func=_cmd_train_eagle)
+
+
+def _cmd_train_eagle(args: argparse.Namespace) -> int:
+    import shlex
+    import sys
+
+    from specdec.models import load_model
+    from specdec.training.eagle import EagleRecipe, train_eagle
+
+    data = args.data or [d for d in EAGLE_DATA if d.is_dir()]
+    missing = [str(d) for d in data if not Path(d).is_dir()]
+    if missing or not data:
+        raise SpecdecError(f"training data folder not found: {', '.join(missing or map(str, EAGLE_DATA))} "
+                           "(make it with `specdec train data`)")
+    if args.steps is None and args.time_budget is None:
+        raise SpecdecError("give --time-budget MIN or --steps N")
+    if args.vocab < 1 or args.tokens_per_step < 1 or args.unroll < 1:
+        raise SpecdecError("--vocab, --tokens-per-step and --unroll must be >= 1")
+    target = load_model(args.target, backend=args.backend)
+    recipe = EagleRecipe(vocab=args.vocab, tokens_per_step=args.tokens_per_step, unroll=args.unroll, lr=args.lr)
+    train_eagle(target.lm, data, args.out, args.work or Path("runs/eagle"), recipe=recipe,
+                target_name=_target_name(args.target),
+                time_budget_s=None if args.time_budget is None else args.time_budget * 60,
+                max_steps=args.steps, resume=args.resume, checkpoint_every_s=args.checkpoint_every * 60,
+                command=shlex.join(["specdec", *sys.argv[1:]]))
+    print(f"use it: specdec generate --method eagle --eagle {args.out} \"PROMPT\"")
     return 0
 
 

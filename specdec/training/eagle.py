@@ -1,0 +1,366 @@
+"""EAGLE draft training on a frozen target, from self-distilled data (the target's own answers).
+
+Recipe (`EagleRecipe`; the draft itself: specdec.eagle):
+1. Teacher: the target (backend fast, float32) reads each sequence (prompt + answer, its last
+   `max_seq` tokens) once; its features (last hidden states after the final norm) and its top-1
+   token at every position are cached in float16 shards under the work folder (Medusa's
+   `HiddenCache`, keyed by a hash of the token ids, so more data later costs only the new
+   sequences). Row j of a sequence is the pair (f_j, t_{j+1}) with the target's top-1 y_j.
+   Sequences are taken in a seeded shuffled order, so a partial pass (the pass gets at most
+   `teacher_share` of the time budget left) samples every data folder; uncached sequences are
+   not trained on.
+2. Draft: fc + one Llama decoder layer, output layer = the target's (frozen) rows of the `vocab`
+   most frequent answer tokens (+ EOS), chosen once per run and kept across resumes.
+3. Loss at pair j: SmoothL1 between the predicted f^_{j+1} and the target's f_{j+1}
+   (`feature_weight`, EAGLE's 1.0) + cross-entropy of the subset logits against the target's
+   top-1 y_{j+1} (`token_weight`, EAGLE's 0.1; tokens outside the subset carry no token loss).
+   Unrolled `unroll` steps: step s > 0 feeds at position j the feature step s - 1 predicted
+   there, not the true one, and attends to the true pairs up to j - s and to the chain of
+   predicted pairs of steps 1..s-1 before it (`unroll_mask`): what the draft sees at drafting
+   depth s + 1 (EAGLE-3's training-time test); step s weighs `step_decay ** s`.
+4. AdamW, warm-up then cosine decay (to 10%) over the step or time budget, gradient clipping.
+   Every `heldout_every`-th sequence (by key) is held out: top-1 agreement with the target per
+   drafting depth, on the positions that predict answer tokens, at every checkpoint.
+5. Checkpoints (weights, optimizer, step, RNG, elapsed minutes, vocabulary) every few minutes in
+   <work>/checkpoint.pt; `resume` continues. The output directory (and its RECIPE.md: the command,
+   data, tokens seen, minutes) is rewritten at every checkpoint, so an interrupted run leaves a
+   usable draft.
+
+Limitation: the gradient flows through the unrolled predictions; training is on the CPU
+(or wherever the target is) in float32.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from specdec.eagle import EagleDraft, build_eagle, save_eagle
+from specdec.errors import InvalidRequest
+from specdec.lm import CausalLM
+from specdec.training.medusa import Example, HiddenCache, build_hidden_cache, frequent_tokens
+from specdec.training.selfdistill import read_parts
+
+
+@dataclass(frozen=True)
+class EagleRecipe:
+    vocab: int = 8192  # draftable tokens: the most frequent answer tokens (+ EOS), as the shipped draft
+    lr: float = 3e-4
+    warmup_steps: int = 50
+    tokens_per_step: int = 2048  # pairs per optimizer step (sequences packed until reached)
+    max_seq: int = 768  # longer sequences keep their last max_seq tokens
+    unroll: int = 3  # training steps per batch: the teacher-forced one + 2 on the draft's own features
+    feature_weight: float = 1.0  # EAGLE's regression weight
+    token_weight: float = 0.1  # EAGLE's classification weight
+    step_decay: float = 0.8  # loss weight of unroll step s: step_decay ** s
+    heldout_every: int = 20  # sequences whose key is 0 modulo this are held out
+    seed: int = 0
+
+
+@dataclass
+class EagleState:
+    step: int = 0
+    tokens_seen: int = 0  # training pairs (positions) at depth 1, summed over steps
+    elapsed_s: float = 0.0  # teacher pass + training, across resumed runs
+    teacher_s: float = 0.0  # of which the teacher pass
+    # [(tokens seen, held-out top-1 agreement per drafting depth, held-out loss)]
+    history: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CachedSequence:
+    """One cached sequence: rows j = pairs (f_j, t_{j+1}) with the target's top-1 y_j."""
+
+    features: torch.Tensor  # [m, H] float16
+    tokens: torch.Tensor  # [m] int32: t_{j+1}
+    top1: torch.Tensor  # [m] int32: y_j
+    eval_from: int  # first row whose depth-1 prediction (t_{j+2}) is an answer token
+
+
+@dataclass(frozen=True)
+class Batch:
+    features: torch.Tensor  # [B, W, H] float32, rows right-padded
+    tokens: torch.Tensor  # [B, W] long
+    valid: torch.Tensor  # [B, W] bool: a real pair
+    labels: torch.Tensor  # [B, W] long: subset index of y_{j+1}; -1 outside the subset or past the end
+    has_target: torch.Tensor  # [B, W] bool: pair j has a next row (j + 1 < m)
+    judged: torch.Tensor  # [B, W] bool: has_target and predicts an answer token (agreement)
+
+
+# --- data -------------------------------------------------------------------------------------
+
+def load_examples(data_dirs: Sequence[Path]) -> tuple[list[Example], dict[str, int]]:
+    """Rows with an answer from the self-distilled parts of each folder, deduplicated, and how
+    many each folder holds."""
+    found, counts = {}, {}
+    for d in data_dirs:
+        counts[str(d)] = 0
+        for row in read_parts(d):
+            if row["answer_ids"]:
+                ex = Example(tuple(row["prompt_ids"]), tuple(row["answer_ids"]), row.get("category", ""))
+                found.setdefault(ex.key, ex)
+                counts[str(d)] += 1
+    return list(found.values()), counts
+
+
+def is_heldout(key: str, every: int) -> bool:
+    return int(key[:8], 16) % every == 0
+
+
+def answer_row(ex: Example, max_seq: int) -> int:
+    """First cached row j whose depth-1 prediction t_{j+2} is an answer token (after the cut)."""
+    cut = max(0, len(ex.prompt_ids) + len(ex.answer_ids) - max_seq)
+    return max(0, len(ex.prompt_ids) - cut - 2)
+
+
+def make_batch(seqs: Sequence[CachedSequence], to_subset: torch.Tensor) -> Batch:
+    """Cached sequences -> one right-padded batch (to_subset [vocab]: subset index or -1)."""
+    width = max(len(s.tokens) for s in seqs)
+    hidden = seqs[0].features.shape[1]
+    feats = torch.zeros(len(seqs), width, hidden)
+    tokens = torch.zeros(len(seqs), width, dtype=torch.long)
+    labels = torch.full((len(seqs), width), -1, dtype=torch.long)
+    valid = torch.zeros(len(seqs), width, dtype=torch.bool)
+    has_target = torch.zeros(len(seqs), width, dtype=torch.bool)
+    judged = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for b, s in enumerate(seqs):
+        m = len(s.tokens)
+        feats[b, :m] = s.features.float()
+        tokens[b, :m] = s.tokens.long()
+        labels[b, : m - 1] = to_subset[s.top1[1:].long()]
+        valid[b, :m] = True
+        has_target[b, : m - 1] = True
+        judged[b, s.eval_from : m - 1] = True
+    return Batch(feats, tokens, valid, labels, has_target, judged)
+
+
+# --- the unrolled loss ------------------------------------------------------------------------
+
+def unroll_mask(valid: torch.Tensor, step: int) -> torch.Tensor:
+    """Who each input of unroll step `step` attends to. valid [B, W] -> allowed [B, W, (step + 1) * W]
+    over the keys of steps 0..step (in that order). Step 0 is causal over the true pairs; at
+    step s > 0 the input at j (the pair at drafting depth s + 1 after the true pairs up to
+    j - s) attends to the true pairs up to j - s, to step s' 's input at j - s + s' for
+    s' = 1..s-1 (the chain drafted before it) and to itself."""
+    width = valid.shape[1]
+    q = torch.arange(width)[:, None]  # [W, 1] query positions
+    k = torch.arange(width)[None, :]  # [1, W] key positions
+    blocks = [k <= q - step] + [k == q - step + s for s in range(1, step + 1)]  # each [W, W]
+    allowed = torch.cat(blocks, dim=1)[None] & valid.repeat(1, step + 1)[:, None, :]  # [B, W, (step+1) W]
+    allowed[:, :, step * width :] |= torch.eye(width, dtype=torch.bool)  # every input sees itself
+    return allowed
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [B, q, kv] -> additive mask [B, 1, q, kv]."""
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def unrolled_outputs(draft: EagleDraft, features: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
+                     unroll: int) -> list[torch.Tensor]:
+    """The draft's predicted features at every unroll step: features [B, W, H] (true f_j),
+    tokens [B, W] (t_{j+1}), valid [B, W] -> [out_0, ..., out_{unroll-1}], each [B, W, H]; out_s
+    at j is the draft's f^_{j+1} at drafting depth s + 1 (its input at j: f_j for s = 0, else
+    out_{s-1} at j - 1; undefined for j < s)."""
+    from transformers import DynamicCache
+
+    width = features.shape[1]
+    positions = torch.arange(width).expand(features.shape[0], width)  # [B, W]
+    cache = DynamicCache()  # keys and values of every step, in order (what unroll_mask indexes)
+    inputs, outs = features, []
+    for s in range(unroll):
+        outs.append(draft(inputs, tokens, additive(unroll_mask(valid, s), draft.dtype), positions, cache))
+        inputs = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], dim=1)  # step s+1 reads f^_j at j
+    return outs
+
+
+def unrolled_loss(draft: EagleDraft, batch: Batch, recipe: EagleRecipe
+                  ) -> tuple[torch.Tensor, list[tuple[int, int]], int]:
+    """-> (weighted loss, [(agreeing, judged) positions per drafting depth], pairs with a target)."""
+    feats, width = batch.features, batch.features.shape[1]
+    target = torch.cat([feats[:, 1:], torch.zeros_like(feats[:, :1])], dim=1)  # [B, W, H]: f_{j+1} at j
+    total, agreement = feats.new_zeros(()), []
+    for s, out in enumerate(unrolled_outputs(draft, feats, batch.tokens, batch.valid, recipe.unroll)):
+        use = batch.has_target & (torch.arange(width) >= s)[None]  # [B, W]; step s has inputs from j = s
+        pred, labels = out[use], batch.labels[use]  # [N, H], [N]
+        logits = draft.subset_logits(pred)  # [N, subset]
+        loss = recipe.feature_weight * F.smooth_l1_loss(pred, target[use])
+        if (labels >= 0).any():
+            loss = loss + recipe.token_weight * F.cross_entropy(logits, labels, ignore_index=-1)
+        total = total + recipe.step_decay ** s * loss
+        judged = batch.judged[use]
+        agreement.append((int(((logits.argmax(-1) == labels) & judged).sum()), int(judged.sum())))
+    return total, agreement, int(batch.has_target.sum())
+
+
+def lr_at(step: int, progress: float, recipe: EagleRecipe) -> float:
+    """Linear warm-up over warmup_steps, then cosine from lr to lr / 10 over progress in [0, 1]."""
+    if step < recipe.warmup_steps:
+        return recipe.lr * (step + 1) / recipe.warmup_steps
+    return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+def recipe_markdown(meta: dict) -> str:
+    """RECIPE.md of an EAGLE directory, from its metadata (eagle_vocab.json's, less the ids)."""
+    agree = meta["history"][-1][1] if meta["history"] else []
+    lines = [f"# EAGLE draft for {meta['target']}", "",
+             "Made by `specdec train eagle` (specdec.training.eagle); "
+             f"{'final' if meta['final'] else 'checkpoint of a run still going or interrupted'}.", "",
+             "    " + (meta.get("command") or "(called from Python: specdec.training.eagle.train_eagle)"), "",
+             f"- data: {', '.join(f'{d} ({n} sequences)' for d, n in meta['data'].items())}; teacher features cached "
+             f"for {meta['train_sequences']} training and {meta['heldout_sequences']} held-out sequences",
+             f"- {meta['steps']} steps, {meta['tokens_seen']:,} training positions seen, "
+             f"{meta['train_minutes']} minutes ({meta['teacher_minutes']} of them the teacher pass)",
+             "- held-out top-1 agreement with the target by drafting depth: "
+             + (", ".join(f"{i + 1}: {a}" for i, a in enumerate(agree)) or "none measured"),
+             f"- recipe: {meta['recipe']}", "",
+             "History (training positions, agreement by depth, held-out loss):", ""]
+    lines += [f"    {h[0]:>10,}  {h[1]}  {h[2]}" for h in meta["history"]]
+    return "\n".join(lines) + "\n"
+
+
+def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work_dir: Path, *,
+                recipe: EagleRecipe = EagleRecipe(), target_name: Optional[str] = None,
+                time_budget_s: Optional[float] = None, max_steps: Optional[int] = None, resume: bool = False,
+                checkpoint_every_s: float = 300.0, teacher_share: float = 0.5, command: Optional[str] = None,
+                log: Callable[[str], None] = print) -> EagleState:
+    """Train an EAGLE draft for `target` (its features come from this backend) on the folders'
+    self-distilled parts; writes out_dir (the draft) and, in work_dir, the teacher cache and
+    checkpoint.pt. Stops at max_steps or once time_budget_s (teacher pass included, summed over
+    resumed runs) is spent, whichever comes first; the teacher pass gets at most teacher_share
+    of the time left (all of the data when there is no time budget)."""
+    if time_budget_s is None and max_steps is None:
+        raise InvalidRequest("give a time budget or a step budget")
+    out_dir, work_dir = Path(out_dir), Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = work_dir / "checkpoint.pt"
+    if ckpt.exists() and not resume:
+        raise InvalidRequest(f"{ckpt} exists: pass --resume to continue that run, or choose another --work")
+    examples, data_counts = load_examples(data_dirs)
+    if not examples:
+        raise InvalidRequest(f"no self-distilled data in {', '.join(map(str, data_dirs))}")
+    target_name = target_name or target.name
+    torch.manual_seed(recipe.seed)
+    rng = random.Random(recipe.seed)
+    state = EagleState()
+    saved = torch.load(ckpt, weights_only=False) if resume and ckpt.exists() else None
+    if saved is not None:
+        if saved["recipe"] != asdict(recipe):
+            raise InvalidRequest(f"{ckpt} was made with another recipe: {saved['recipe']}")
+        state = EagleState(**saved["state"])
+        token_ids = saved["token_ids"]
+    else:
+        token_ids = frequent_tokens(examples, recipe.vocab, target.eos_token_ids)
+
+    # 1. teacher: features and top-1 once per sequence, in a seeded order, within its share of the time.
+    t0 = time.monotonic()
+    order = list(examples)
+    random.Random(recipe.seed).shuffle(order)
+    left = None if time_budget_s is None else max(0.0, time_budget_s - state.elapsed_s)
+    cache = HiddenCache(work_dir / f"teacher-{recipe.max_seq}")
+    if left is None or left > 0:
+        added = build_hidden_cache(target, order, cache, recipe.max_seq, include_prompt=True,
+                                   time_budget_s=None if left is None else left * teacher_share)
+        if added:
+            log(f"teacher: features of {added} new sequences cached")
+    spent = time.monotonic() - t0
+    state.teacher_s += spent
+    state.elapsed_s += spent
+    stored = cache.load([ex.key for ex in order])
+    seqs = {ex.key: CachedSequence(*stored[ex.key], eval_from=answer_row(ex, recipe.max_seq))
+            for ex in order if ex.key in stored and len(stored[ex.key][1]) >= 2}
+    train = [s for k, s in seqs.items() if not is_heldout(k, recipe.heldout_every)]
+    heldout = [s for k, s in seqs.items() if is_heldout(k, recipe.heldout_every)]
+    if not train:
+        raise InvalidRequest("no training sequence has teacher features yet: give the run more time")
+    to_subset = torch.full((target.vocab_size,), -1, dtype=torch.long)
+    to_subset[token_ids] = torch.arange(len(token_ids))
+    log(f"eagle: {len(train)} training and {len(heldout)} held-out sequences with features (of {len(examples)}); "
+        f"draftable vocabulary {len(token_ids)}")
+
+    # 2. the draft, the optimizer, the checkpoint.
+    draft = build_eagle(target, token_ids).float().train()
+    opt = torch.optim.AdamW(draft.parameters(), lr=recipe.lr, weight_decay=0.0)
+    if saved is not None:
+        draft.load_state_dict(saved["draft"])
+        opt.load_state_dict(saved["optimizer"])
+        rng.setstate(saved["rng"])
+        torch.set_rng_state(saved["torch_rng"])
+        log(f"resumed at step {state.step} ({state.tokens_seen} positions, {state.elapsed_s / 60:.1f} min)")
+
+    def progress() -> float:
+        by_steps = state.step / max_steps if max_steps else 0.0
+        by_time = state.elapsed_s / time_budget_s if time_budget_s else 0.0
+        return max(by_steps, by_time)
+
+    def evaluate() -> tuple[int, list[float], float]:
+        draft.eval()
+        hits = [[0, 0] for _ in range(recipe.unroll)]
+        loss_sum, count = 0.0, 0
+        with torch.no_grad():
+            for i in range(0, len(heldout), 8):
+                loss, agreement, n = unrolled_loss(draft, make_batch(heldout[i : i + 8], to_subset), recipe)
+                loss_sum, count = loss_sum + float(loss) * n, count + n
+                for h, (a, j) in zip(hits, agreement):
+                    h[0], h[1] = h[0] + a, h[1] + j
+        draft.train()
+        return state.tokens_seen, [round(a / max(j, 1), 4) for a, j in hits], round(loss_sum / max(count, 1), 4)
+
+    def checkpoint(final: bool) -> None:
+        tmp = work_dir / "checkpoint.pt.tmp"
+        torch.save({"draft": draft.state_dict(), "optimizer": opt.state_dict(), "state": asdict(state),
+                    "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "token_ids": token_ids,
+                    "recipe": asdict(recipe)}, tmp)
+        tmp.replace(ckpt)
+        meta = {"target": target_name, "recipe": asdict(recipe), "command": command, "data": data_counts,
+                "train_sequences": len(train), "heldout_sequences": len(heldout), "steps": state.step,
+                "tokens_seen": state.tokens_seen, "train_minutes": round(state.elapsed_s / 60, 1),
+                "teacher_minutes": round(state.teacher_s / 60, 1), "history": state.history, "final": final}
+        save_eagle(out_dir, draft, meta)
+        (out_dir / "RECIPE.md").write_text(recipe_markdown(meta))
+
+    # 3. train.
+    start, last_ckpt = time.monotonic() - state.elapsed_s, time.monotonic()
+    bar = tqdm(total=max_steps, initial=state.step, desc="eagle", unit="step", dynamic_ncols=True)
+    while (max_steps is None or state.step < max_steps) and (time_budget_s is None or state.elapsed_s < time_budget_s):
+        batch, pairs = [], 0
+        while pairs < recipe.tokens_per_step:
+            s = train[rng.randrange(len(train))]
+            batch.append(s)
+            pairs += len(s.tokens) - 1
+        for g in opt.param_groups:
+            g["lr"] = lr_at(state.step, progress(), recipe)
+        loss, agreement, n = unrolled_loss(draft, make_batch(batch, to_subset), recipe)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        state.step += 1
+        state.tokens_seen += n
+        state.elapsed_s = time.monotonic() - start
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", agree="/".join(f"{a / max(j, 1):.2f}" for a, j in agreement),
+                        min=f"{state.elapsed_s / 60:.1f}")
+        if time.monotonic() - last_ckpt > checkpoint_every_s:
+            state.history.append(evaluate())
+            checkpoint(final=False)
+            last_ckpt = time.monotonic()
+    bar.close()
+    state.elapsed_s = time.monotonic() - start
+    state.history.append(evaluate())
+    checkpoint(final=True)
+    log(f"eagle: {state.step} steps, {state.tokens_seen} positions, {state.elapsed_s / 60:.1f} min "
+        f"({state.teacher_s / 60:.1f} teacher); held-out top-1 agreement by depth {state.history[-1][1]}, "
+        f"loss {state.history[-1][2]}; written to {out_dir}")
+    return state

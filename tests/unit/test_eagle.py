@@ -1,0 +1,341 @@
+"""EAGLE drafts: greedy output equals plain decoding (untrained and trained drafts, both torch
+backends), sampling follows the target's distribution, the loop hands the proposer exactly the
+target's features, training learns, checkpoints and resumes, and drafts refuse other targets."""
+
+import copy
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.decode import KSchedule, plain_generate, speculative_generate
+from specdec.eagle import build_eagle, is_eagle_dir, load_eagle, save_eagle
+from specdec.engine import Engine, EngineConfig
+from specdec.errors import FailedPrecondition, IncompatibleModels, InvalidRequest, ModelLoadError
+from specdec.fast import FastLlamaLM
+from specdec.models import LoadedModel, perturbed_copy, tiny_llama
+from specdec.proposers import DraftModelProposer, EagleProposer, ProposerEnv, load_proposer
+from specdec.proposers.eagle import feature_start
+from specdec.training.eagle import EagleRecipe, make_batch, train_eagle, unroll_mask, unrolled_outputs
+from specdec.training.selfdistill import write_part
+from specdec.types import SamplingParams, StopConditions
+from tests.conftest import assert_greedy_equal, gguf_copy
+from tests.unit.test_sampling_e2e import PROMPT, ROWS, VOCAB, _assert_fits, _histogram, _joint_probs
+
+PROMPTS = [[5, 17, 33, 2, 40], [9, 9], [60, 12, 7, 88, 3, 21, 45, 50, 11]]
+RECIPE = EagleRecipe(vocab=64, lr=3e-3, warmup_steps=2, tokens_per_step=256, heldout_every=5)
+
+
+def _answers(target, n, seed, max_new=24):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(2, 96) for _ in range(rng.randrange(3, 9))] for _ in range(n)]
+    results = plain_generate(target, prompts, stop=StopConditions(max_new_tokens=max_new))
+    return [{"index": i, "category": "synthetic", "sampled": False, "prompt_ids": p, "answer_ids": list(r.token_ids)}
+            for i, (p, r) in enumerate(zip(prompts, results))]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tiny_target, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eagle-data")
+    rows = _answers(tiny_target, 40, seed=0)
+    write_part(out, 0, rows[:20])
+    write_part(out, 20, rows[20:])
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained_dir(tiny_target, data_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle-trained")
+    train_eagle(tiny_target, [data_dir], root / "draft", root / "work", recipe=RECIPE, max_steps=40, log=lambda _: None)
+    return root / "draft"
+
+
+@pytest.fixture(scope="module")
+def fast_target(tiny_target):
+    return FastLlamaLM(copy.deepcopy(tiny_target.model), name=tiny_target.name)
+
+
+@pytest.fixture(scope="module")
+def gguf_target(tiny_target, tmp_path_factory):
+    return gguf_copy(tiny_target, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_target, fast_target, gguf_target):
+    """The same weights on each backend: transformers, specdec's fast forward, llama.cpp (float32 GGUF)."""
+    return {"hf": tiny_target, "fast": fast_target, "llamacpp": gguf_target}
+
+
+def _check_greedy(target, proposer, prompts, stop, k):
+    want = [plain_generate(target, [p], stop=stop)[0] for p in prompts]
+    got = speculative_generate(target, proposer, prompts, stop=stop, k=k)
+    for p, g, w in zip(prompts, got, want):
+        assert_greedy_equal(target, p, g.token_ids, w.token_ids)
+        assert g.finish_reason == w.finish_reason
+    return got
+
+
+# --- greedy: lossless ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["hf", "fast", "llamacpp"])
+@pytest.mark.parametrize("trained", [False, True])
+@pytest.mark.parametrize("k", [1, 4])
+def test_eagle_greedy_equals_plain(tiny_target, targets, trained_dir, backend, trained, k):
+    """On every backend, equal to that backend's own plain decoding (llama.cpp: up to its ties)."""
+    target = targets[backend]
+    draft = (load_eagle(trained_dir, target, target_name=tiny_target.name) if trained
+             else build_eagle(tiny_target, torch.arange(0, 96, 2)))
+    got = _check_greedy(target, EagleProposer(draft), PROMPTS, StopConditions(max_new_tokens=25), k)
+    assert all(len(g.token_ids) == 25 for g in got)
+    if trained:  # the trained draft is right often enough that accepted paths are exercised
+        assert sum(g.stats.accepted for g in got) > 0
+
+
+def test_eagle_stops_inside_a_drafted_block_like_plain(tiny_target, trained_dir):
+    free = plain_generate(tiny_target, [PROMPTS[0]], stop=StopConditions(max_new_tokens=30))[0].token_ids
+    stop = StopConditions(max_new_tokens=30, eos_token_ids=(free[11],))
+    got = _check_greedy(tiny_target, EagleProposer(load_eagle(trained_dir, tiny_target)), PROMPTS, stop, k=6)
+    assert got[0].finish_reason == "stop" and len(got[0].token_ids) <= 12
+
+
+def test_a_trained_draft_is_accepted_more_than_an_untrained_one(tiny_target, trained_dir):
+    rows = _answers(tiny_target, 6, seed=0)  # prompts it was trained on: this checks learning, not generalisation
+    prompts, stop = [r["prompt_ids"] for r in rows], StopConditions(max_new_tokens=24)
+
+    def alpha(draft):
+        got = speculative_generate(tiny_target, EagleProposer(draft), prompts, stop=stop, k=3)
+        return sum(g.stats.accepted for g in got) / sum(g.stats.drafted for g in got)
+
+    assert alpha(load_eagle(trained_dir, tiny_target)) > alpha(build_eagle(tiny_target, torch.arange(64))) + 0.1
+
+
+def test_engine_runs_eagle_from_its_directory_and_says_how_to_get_one(tiny_target, trained_dir, tmp_path):
+    target = LoadedModel(tiny_target, None, "tiny")
+    engine = Engine.from_models(target, config=EngineConfig(cost_cache=tmp_path, eagle_dir=str(trained_dir)))
+    stop = StopConditions(max_new_tokens=16, eos_token_ids=(10_000,))
+    [want] = engine.generate_ids([PROMPTS[2]], "plain", stop=stop)
+    [got] = engine.generate_ids([PROMPTS[2]], "eagle", stop=stop, k=3)
+    assert_greedy_equal(tiny_target, PROMPTS[2], got.token_ids, want.token_ids)
+    bare = Engine.from_models(target, config=EngineConfig(cost_cache=tmp_path))
+    with pytest.raises(ModelLoadError, match="specdec train eagle"):
+        bare.generate_ids([PROMPTS[0]], "eagle", stop=stop)
+
+
+def test_a_loop_that_gives_no_features_refuses_eagle(tiny_target, trained_dir):
+    env = ProposerEnv(tiny_target, EngineConfig(eagle_dir=str(trained_dir)), costs=None, load_draft=lambda: None)
+    with pytest.raises(FailedPrecondition, match="features"):
+        load_proposer("eagle", env)
+
+
+# --- sampling: distributed as the target --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_vocab_target():
+    return tiny_llama(seed=3, vocab_size=VOCAB, num_layers=2, hidden_size=32, eos_token_id=VOCAB + 10)
+
+
+@pytest.mark.parametrize("sampling, subset", [
+    (SamplingParams(temperature=1.0, seed=11), range(VOCAB)),
+    (SamplingParams(temperature=0.8, top_k=4, top_p=0.9, seed=12), [0, 2, 3, 5]),
+])
+def test_eagle_sampling_matches_target_distribution(small_vocab_target, sampling, subset):
+    """subset: the tokens the draft may propose (the others have draft probability 0)."""
+    lm = small_vocab_target
+    draft = build_eagle(lm, torch.tensor(list(subset)))
+    results = speculative_generate(lm, EagleProposer(draft), [PROMPT] * ROWS, sampling=sampling,
+                                   stop=StopConditions(max_new_tokens=3), k=3)
+    assert sum(r.stats.accepted for r in results) > 0, "the draft never got accepted: the test checks nothing"
+    _assert_fits(_histogram(results), _joint_probs(lm, sampling))
+
+
+def test_seeded_eagle_sampling_does_not_depend_on_batch_neighbours(tiny_target, trained_dir):
+    sampling, stop = SamplingParams(temperature=0.9, seed=42), StopConditions(max_new_tokens=20)
+    draft = load_eagle(trained_dir, tiny_target)
+
+    def first_row(prompts):
+        return speculative_generate(tiny_target, EagleProposer(draft), prompts, sampling=sampling, stop=stop,
+                                    k=3)[0].token_ids
+
+    assert first_row([PROMPTS[0]]) == first_row([PROMPTS[0], PROMPTS[2], PROMPTS[1]])
+
+
+# --- the features the loop hands over -----------------------------------------------------------
+
+class FeatureProbe(DraftModelProposer):
+    """Drafts with a small draft model (accepted often, sometimes not) and records, per row,
+    the committed tokens and the features each propose() call was handed."""
+
+    needs_features = True
+
+    def __init__(self, draft):
+        super().__init__(draft)
+        self.seen: dict[int, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
+
+    def propose(self, ctx):
+        for row, toks, feats in zip(ctx.row_ids, ctx.token_ids, ctx.target_features):
+            self.seen.setdefault(row, []).append((toks, feats.clone()))
+        return super().propose(ctx)
+
+
+CPU_LIKE_COST = {1: 1.0, 2: 1.02, 3: 1.57, 5: 1.7}
+
+
+@pytest.mark.parametrize("backend", ["hf", "fast", "llamacpp"])
+@pytest.mark.parametrize("schedule, noise", [(KSchedule(k=3), 0.5),  # a draft accepted often, not always
+                                             (KSchedule.cost_aware(CPU_LIKE_COST, draft_cost=0.3), 3.0)])
+def test_the_proposer_gets_every_committed_feature_once_as_one_fresh_forward_computes_it(
+        tiny_target, targets, backend, schedule, noise):
+    """Whatever was accepted, and across steps where nothing was proposed (a bad draft under the
+    cost-aware k: plain steps), the features handed over so far are the target's hidden states
+    at committed[:-1], as one forward over them computes them (on the same backend)."""
+    target = targets[backend]
+    probe = FeatureProbe(perturbed_copy(tiny_target, noise=noise, seed=1))
+    results = speculative_generate(target, probe, PROMPTS, stop=StopConditions(max_new_tokens=30), k=schedule)
+    for row, calls in probe.seen.items():
+        handed = torch.cat([feats for _, feats in calls])
+        toks = calls[-1][0]
+        assert handed.shape[0] == len(toks) - 1  # one per committed position but the last
+        ref = target.forward(target.new_cache(1), torch.tensor([list(toks[:-1])]), want_hidden=True).hidden[0]
+        torch.testing.assert_close(handed, ref, atol=1e-3 if backend == "llamacpp" else 1e-4, rtol=1e-4)
+        counts = [len(t) - 1 for t, _ in calls]  # at every call: handed so far == committed - 1
+        assert counts == np.cumsum([f.shape[0] for _, f in calls]).tolist()
+    if schedule.verify_cost is None:
+        assert sum(r.stats.accepted for r in results) > 0
+    else:  # some steps proposed nothing: their features waited for the next call
+        assert any(len(probe.seen.get(b, ())) < r.stats.target_forwards - 1 for b, r in enumerate(results))
+
+
+class RecordingEagle(EagleProposer):
+    """Records each call's context and proposals."""
+
+    def __init__(self, draft):
+        super().__init__(draft)
+        self.calls = []
+
+    def propose(self, ctx):
+        proposals = super().propose(ctx)
+        self.calls.append((ctx, proposals))
+        return proposals
+
+
+@pytest.mark.parametrize("backend", ["hf", "fast"])
+def test_each_step_drafts_what_a_fresh_draft_computes_from_every_feature(tiny_target, fast_target, trained_dir,
+                                                                        backend):
+    """The proposer's rolling cache (drafted pairs dropped, true ones kept, rows leaving) drafts
+    what the draft computes from scratch: all true pairs of the committed tokens, then its chain."""
+    target = fast_target if backend == "fast" else tiny_target
+    draft = load_eagle(trained_dir, target)
+    proposer = RecordingEagle(draft)
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[2]]
+    eos = plain_generate(target, prompts[:1], stop=StopConditions(max_new_tokens=9))[0].token_ids[-1]
+    stop = StopConditions(max_new_tokens=24, eos_token_ids=(eos,))  # the first row leaves early
+    results = speculative_generate(target, proposer, prompts, stop=stop, k=3)
+    assert sum(r.stats.accepted for r in results) > 0
+    assert len({ctx.row_ids for ctx, _ in proposer.calls}) > 1  # rows left while others went on
+    features: dict[int, list[torch.Tensor]] = {}
+    for ctx, proposals in proposer.calls:
+        for row, toks, feats, prop in zip(ctx.row_ids, ctx.token_ids, ctx.target_features, proposals):
+            features.setdefault(row, []).append(feats)
+            pairs = torch.cat(features[row])[None]  # [1, L - 1, H]: f_0..f_{L-2}
+            cache = draft.new_cache(1)
+            f = draft.extend(cache, pairs, torch.tensor([toks[1:]]))[:, -1]  # [1, H]
+            for d, token in enumerate(prop.token_ids):
+                logits = draft.logits(f)[0]
+                assert float(logits.max() - logits[token]) < 1e-4, (row, len(toks), d)  # the argmax, up to ties
+                f = draft.extend(cache, f[:, None], torch.tensor([[token]]))[:, 0]
+
+
+def test_features_must_continue_what_the_row_holds():
+    held = [1, 2, 3, 4]  # true pairs 0..2
+    assert feature_start(held, [1, 2, 3, 4, 5, 6], 2) == 3  # positions 3, 4: continues
+    assert feature_start(held, [9, 8, 7], 2) == 0  # from position 0: a new sequence
+    assert feature_start(held, [1, 2, 3, 9, 9], 2) == 2  # position 2 again: pair 2 is recomputed
+    with pytest.raises(ValueError, match="do not continue"):
+        feature_start(held, [1, 2, 3, 4, 5, 6, 7, 8], 2)  # positions 4, 5 missing
+    with pytest.raises(ValueError, match="do not continue"):
+        feature_start(held, [1, 7, 3, 4, 5], 1)  # the tokens before differ
+    with pytest.raises(ValueError):
+        feature_start(held, [1, 2], 3)  # more features than positions
+
+
+# --- training -----------------------------------------------------------------------------------
+
+def test_unroll_mask_on_a_four_position_example():
+    valid = torch.tensor([[True, True, True, False]])
+    step1 = unroll_mask(valid, 1)[0].int().tolist()  # keys: step 0 (true pairs) | step 1
+    assert step1 == [[0, 0, 0, 0, 1, 0, 0, 0],  # j = 0: no input at step 1, sees itself only
+                     [1, 0, 0, 0, 0, 1, 0, 0],  # j = 1: true pair 0, itself
+                     [1, 1, 0, 0, 0, 0, 1, 0],  # j = 2: true pairs 0-1, itself
+                     [1, 1, 1, 0, 0, 0, 0, 1]]  # padding: sees itself; nothing sees it
+    step2 = unroll_mask(valid, 2)[0, 2].int().tolist()  # j = 2 at step 2: true pair 0, step 1 at 1, itself
+    assert step2 == [1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0]
+
+
+def test_unrolled_training_step_s_is_what_drafting_at_depth_s_plus_1_computes(tiny_target):
+    """Training's step s at position j equals the proposer's chain: true pairs up to j - s in the
+    cache, then s pairs of the draft's own features with the true tokens."""
+    torch.manual_seed(0)
+    draft = build_eagle(tiny_target, torch.arange(96))
+    ids = [5, 17, 33, 2, 40, 8, 11, 60]
+    feats = tiny_target.forward(tiny_target.new_cache(1), torch.tensor([ids]), want_hidden=True).hidden  # [1, 8, H]
+    tokens = torch.tensor([ids[1:]])  # pair j = (f_j, t_{j+1}), j = 0..6
+    with torch.no_grad():
+        outs = unrolled_outputs(draft, feats[:, :7], tokens, torch.ones(1, 7, dtype=torch.bool), unroll=3)
+    for s in range(3):
+        for j in range(s, 7):
+            cache = draft.new_cache(1)
+            f = draft.extend(cache, feats[:, : j - s + 1], tokens[:, : j - s + 1])[:, -1]
+            for d in range(1, s + 1):
+                f = draft.extend(cache, f[:, None], tokens[:, j - s + d : j - s + d + 1])[:, 0]
+            torch.testing.assert_close(outs[s][0, j], f[0], atol=1e-5, rtol=1e-5)
+
+
+def test_training_lowers_the_loss_checkpoints_and_resumes(tiny_target, data_dir, tmp_path):
+    out, work, lines = tmp_path / "draft", tmp_path / "work", []
+    first = train_eagle(tiny_target, [data_dir], out, work, recipe=RECIPE, max_steps=2, log=lines.append)
+    assert is_eagle_dir(out) and (work / "checkpoint.pt").is_file() and (out / "RECIPE.md").is_file()
+    assert first.step == 2 and torch.load(work / "checkpoint.pt", weights_only=False)["state"]["step"] == 2
+    with pytest.raises(InvalidRequest, match="--resume"):
+        train_eagle(tiny_target, [data_dir], out, work, recipe=RECIPE, max_steps=4)
+    second = train_eagle(tiny_target, [data_dir], out, work, recipe=RECIPE, max_steps=40, resume=True,
+                         log=lines.append)
+    assert any(line.startswith("resumed at step 2 ") for line in lines)
+    assert second.step == 40 and second.tokens_seen > first.tokens_seen  # continued, not restarted
+    assert second.history[-1][2] < 0.95 * first.history[-1][2]  # held-out loss fell
+    recipe_md = (out / "RECIPE.md").read_text()
+    assert "40 steps" in recipe_md and str(data_dir) in recipe_md
+    load_eagle(out, tiny_target)  # the directory of the finished run loads
+
+
+def test_a_draft_refuses_another_target(tiny_target, trained_dir, tmp_path):
+    with pytest.raises(IncompatibleModels, match="trained for target"):
+        load_eagle(trained_dir, tiny_llama(seed=1, vocab_size=96, num_layers=2, hidden_size=48))
+    with pytest.raises(IncompatibleModels, match="embedding table"):
+        load_eagle(trained_dir, tiny_llama(seed=0, vocab_size=50, num_layers=2, hidden_size=48))
+    with pytest.raises(ModelLoadError, match="not an EAGLE draft directory"):
+        load_eagle(tmp_path, tiny_target)
+
+
+def test_a_draft_round_trips_through_its_directory(tiny_target, tmp_path):
+    draft = build_eagle(tiny_target, torch.arange(0, 96, 3))
+    save_eagle(tmp_path / "d", draft, {"target": tiny_target.name}, dtype=torch.float32)
+    again = load_eagle(tmp_path / "d", tiny_target)
+    feats, ids = torch.randn(1, 4, 48), torch.tensor([[5, 6, 7, 8]])
+    a = draft.extend(draft.new_cache(1), feats, ids)
+    b = again.extend(again.new_cache(1), feats, ids)
+    torch.testing.assert_close(draft.logits(a), again.logits(b))
+    assert torch.isfinite(again.logits(b)[0, 0]).nonzero().flatten().tolist() == list(range(0, 96, 3))
+
+
+def test_batch_labels_are_the_targets_next_top1_in_the_subset(tiny_target):
+    from specdec.training.eagle import CachedSequence
+
+    to_subset = torch.full((96,), -1, dtype=torch.long)
+    to_subset[torch.tensor([4, 7])] = torch.tensor([0, 1])
+    seq = CachedSequence(torch.zeros(4, 48, dtype=torch.float16), torch.tensor([1, 2, 3, 4], dtype=torch.int32),
+                         torch.tensor([9, 7, 4, 5], dtype=torch.int32), eval_from=1)
+    batch = make_batch([seq], to_subset)
+    assert batch.labels[0].tolist() == [1, 0, -1, -1]  # y_{j+1}: 7, 4, 5 (outside), none past the end
+    assert batch.has_target[0].tolist() == [True, True, True, False]
+    assert batch.judged[0].tolist() == [False, True, True, False]
