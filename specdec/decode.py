@@ -18,6 +18,7 @@ import torch
 from specdec.costmodel import best_k
 from specdec.errors import InvalidRequest
 from specdec.lm import CausalLM
+from specdec.prefix_cache import PrefixCache, remember, restore_longest
 from specdec.proposers.base import Proposer
 from specdec.sampling import draft_seed, make_generator, next_token
 from specdec.stopping import Detokenize, StopChecker
@@ -190,6 +191,33 @@ def _prompt_states(hidden: Optional[torch.Tensor], lens: Sequence[int], want_hid
     return last, [[hidden[b, :n]] for b, n in enumerate(lens)]
 
 
+def _prefill(target: CausalLM, prompts: Sequence[Sequence[int]], prefix_cache: Optional[PrefixCache],
+             want_hidden: bool = False, all_hidden: bool = False):
+    """A new cache with the prompts in it -> (cache, the prefill's ForwardOutput). One prompt
+    with a prefix cache: starts from the longest cached prefix of the prompt (all but its last
+    token at most) and prefills the rest, then keeps the prompt's KV there (a shared system
+    prompt, a conversation's next turn). Not with all_hidden: a restored prefix has no features."""
+    if prefix_cache is None or len(prompts) != 1 or all_hidden:
+        cache = target.new_cache(len(prompts))
+        return cache, target.prefill(cache, [list(p) for p in prompts], want_hidden=want_hidden, all_hidden=all_hidden)
+    prompt = list(prompts[0])
+    n, cache = restore_longest(prefix_cache, target, prompt, at_most=len(prompt) - 1)
+    cache = cache if cache is not None else target.new_cache(1)
+    first = target.prefill(cache, [prompt[n:]], want_hidden=want_hidden)
+    remember(prefix_cache, target, cache, prompt)
+    return cache, first
+
+
+def _keep_finished(prefix_cache: Optional[PrefixCache], target: CausalLM, cache, rows: Sequence[RowProgress]) -> None:
+    """One sequence done: keep the KV of its prompt and answer (all but the last token, the one
+    never fed) in the prefix cache, for a conversation's next turn."""
+    if prefix_cache is None or len(rows) != 1:
+        return
+    tokens = rows[0].committed[:-1]
+    if cache.batch_size == 1 and int(cache.lengths[0]) == len(tokens):
+        remember(prefix_cache, target, cache, tokens)
+
+
 def _finish(rows: Sequence[RowProgress]) -> list[GenerationResult]:
     return [GenerationResult(tuple(r.checker.generated), r.checker.finish_reason or "length", r.stats) for r in rows]
 
@@ -201,15 +229,17 @@ def plain_generate(
     stop: StopConditions = StopConditions(),
     detokenize: Optional[Detokenize] = None,
     on_emit: Optional[OnEmit] = None,
+    prefix_cache: Optional[PrefixCache] = None,
 ) -> list[GenerationResult]:
     """One target forward per token: the baseline every other method must reproduce.
-    on_emit(row, tokens) is called with each row's tokens as they are committed (streaming)."""
+    on_emit(row, tokens) is called with each row's tokens as they are committed (streaming);
+    prefix_cache: KV of earlier prompts and answers, reused and added to (see _prefill)."""
     validate_request(target, prompts, stop)
     t0 = time.perf_counter()
     gens = _row_generators(sampling.seed, len(prompts))
-    rows = [RowProgress(StopChecker(stop, detokenize)) for _ in prompts]
-    cache = target.new_cache(len(prompts))
-    logits = target.prefill(cache, [list(p) for p in prompts]).logits  # [batch, vocab]
+    rows = [RowProgress(StopChecker(stop, detokenize), prompt=tuple(p)) for p in prompts]
+    cache, first = _prefill(target, prompts, prefix_cache)
+    logits = first.logits  # [batch, vocab]
     active = list(range(len(prompts)))  # row index of each cache row
     while active:
         for i, b in enumerate(active):
@@ -218,6 +248,7 @@ def plain_generate(
         if active:
             last = torch.tensor([rows[b].last_token for b in active])  # [rows]
             logits = target.forward(cache, last[:, None]).logits[:, -1]  # [rows, vocab]
+    _keep_finished(prefix_cache, target, cache, rows)
     return _finish(rows)
 
 
@@ -230,9 +261,11 @@ def speculative_generate(
     k: KSchedule | int = 4,
     detokenize: Optional[Detokenize] = None,
     on_emit: Optional[OnEmit] = None,
+    prefix_cache: Optional[PrefixCache] = None,
 ) -> list[GenerationResult]:
     """Speculative decoding: propose, score in one target forward, accept, commit / roll back, observe.
-    on_emit(row, tokens) is called with each row's tokens as they are committed (streaming).
+    on_emit(row, tokens) is called with each row's tokens as they are committed (streaming);
+    prefix_cache: as in plain_generate.
 
     Each row draws from its own generators (the target's: seed + row; the draft's: a salted
     seed + row), so a seeded row's output does not depend on the rows that share its batch."""
@@ -244,9 +277,8 @@ def speculative_generate(
     draft_gens = _row_generators(draft_seed(sampling.seed), len(prompts))
     want_hidden = proposer.needs_hidden
     want_features = getattr(proposer, "needs_features", False)  # a proposer need not subclass Proposer
-    cache = target.new_cache(len(prompts))
     # 0. prefill: a target forward that emits one token, exactly as in plain decoding.
-    first = target.prefill(cache, [list(p) for p in prompts], want_hidden=want_hidden, all_hidden=want_features)
+    cache, first = _prefill(target, prompts, prefix_cache, want_hidden, all_hidden=want_features)
     hidden, features = _prompt_states(first.hidden, [len(p) for p in prompts], want_hidden, want_features)
     for b, row_logits in enumerate(first.logits):
         _record_token(rows, b, next_token(row_logits, sampling, target_gens[b]), on_emit)
@@ -274,4 +306,5 @@ def speculative_generate(
         # 5. observe.
         proposer.observe([out.verdict for out in outcomes])
         active = _drop_finished(cache, active, rows, t0)
+    _keep_finished(prefix_cache, target, cache, rows)
     return _finish(rows)

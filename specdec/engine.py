@@ -12,6 +12,7 @@ from specdec.decode import KSchedule, OnEmit, plain_generate, speculative_genera
 from specdec.errors import InvalidRequest
 from specdec.models import (LoadedModel, backend_name, check_compatible, format_prompt, load_model,
                             user_cost_store)
+from specdec.prefix_cache import PrefixCache
 from specdec.proposers import PLAIN, ProposerEnv, ProposerFactory, load_proposer, method_names
 from specdec.proposers.lookahead import LookaheadConfig
 from specdec.stopping import TextStream, cut_at_stop_string
@@ -42,6 +43,9 @@ class EngineConfig:
     # EAGLE draft directory for "eagle" (None: the one shipped for the target in
     # specdec/assets/eagle/<target>/, made by `specdec train eagle`)
     eagle_dir: Optional[str] = None
+    # MiB of KV of earlier prompts and answers kept to be reused by later calls that start the same
+    # way (a shared system prompt or document, a conversation's next turn; one prompt per call); 0: off
+    prefix_cache_mb: int = 256
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,12 @@ def _load_draft(spec: Optional[str], target: LoadedModel, config: EngineConfig) 
     return draft
 
 
+def _prefix_cache(config: EngineConfig) -> Optional[PrefixCache]:
+    if config.prefix_cache_mb < 0:
+        raise InvalidRequest(f"prefix_cache_mb must be >= 0, got {config.prefix_cache_mb}")
+    return PrefixCache(config.prefix_cache_mb << 20) if config.prefix_cache_mb else None
+
+
 def default_cost_store(config: EngineConfig, refresh: bool = False,
                        notify: Optional[Callable[[str], None]] = None) -> CostStore:
     """The engine's costs, kept in config.cost_cache (default: the user's cache folder)."""
@@ -101,6 +111,7 @@ class Engine:
         if config.draft is not None:
             self.draft = _load_draft(config.draft, self.target, config)
         self._factories: dict[str, ProposerFactory] = {}
+        self.prefix_cache = _prefix_cache(config)
 
     @classmethod
     def from_models(cls, target: LoadedModel, draft: Optional[LoadedModel] = None,
@@ -112,6 +123,7 @@ class Engine:
         engine.target = target
         engine.draft = draft
         engine._factories = {}
+        engine.prefix_cache = _prefix_cache(config)
         if draft is not None:
             check_compatible(target, draft)
         return engine
@@ -186,9 +198,10 @@ class Engine:
         detok = self.decode if stop.stop_strings else None
         factory = self.proposer_factory(method)
         if factory is None:
-            return plain_generate(self.target.lm, prompts, sampling, stop, detokenize=detok, on_emit=on_emit)
+            return plain_generate(self.target.lm, prompts, sampling, stop, detokenize=detok, on_emit=on_emit,
+                                  prefix_cache=self.prefix_cache)
         return speculative_generate(self.target.lm, factory(), prompts, sampling, stop, k=k, detokenize=detok,
-                                    on_emit=on_emit)
+                                    on_emit=on_emit, prefix_cache=self.prefix_cache)
 
     def complete(self, prompt: str, method: str = "plain", sampling: SamplingParams = SamplingParams(),
                  stop: StopConditions = StopConditions(), k: KSchedule | int | str = 4,

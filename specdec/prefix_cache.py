@@ -129,3 +129,26 @@ class PrefixCache:
             holders.remove(eid)
             if not holders:
                 del self._index[digest]
+
+
+def restore_longest(cache: PrefixCache, lm, tokens: Sequence[int], at_most: int, more_than: int = 0):
+    """A new batch-1 KV cache of `lm` holding the longest cached prefix of tokens (at most `at_most`
+    tokens; only if longer than `more_than`, what the caller holds already) -> (its length n,
+    the new cache), or (0, None)."""
+    if at_most - more_than < cache.block:
+        return 0, None
+    n, snapshot = cache.lookup(tokens, at_most=at_most)
+    if n <= more_than:
+        return 0, None
+    kv = lm.new_cache(1)
+    lm.restore_prefix(kv, snapshot, n)
+    return n, kv
+
+
+def remember(cache: PrefixCache, lm, kv, tokens: Sequence[int]) -> bool:
+    """Keep the KV of `tokens`, the first len(tokens) entries of the batch-1 cache `kv`, unless
+    they are too short or covered already -> whether a snapshot was taken."""
+    if len(tokens) < cache.block or cache.covers(tokens):
+        return False
+    snapshot, nbytes = lm.snapshot_prefix(kv, len(tokens))
+    return cache.insert(tokens, snapshot, nbytes)

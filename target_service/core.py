@@ -25,7 +25,7 @@ from specdec.costmodel import CostStore
 from specdec.decode import KSchedule, RowProgress
 from specdec.errors import FailedPrecondition, InvalidRequest, NotFound
 from specdec.lm import CausalLM
-from specdec.prefix_cache import PrefixCache
+from specdec.prefix_cache import PrefixCache, remember, restore_longest
 from specdec.models import user_cost_store
 from specdec.proposers import PROPOSERS, Proposer, ProposerEnv, ProposerFactory, load_proposer
 from specdec.rpc.batching import MicroBatcher
@@ -159,26 +159,21 @@ class TargetCore:
     def _reuse_prefix(self, sess: TargetSession, tokens: list[int]) -> list[int]:
         """Restore the longest cached prefix of tokens[:-1] when it holds more than the session's
         own cache does -> the tokens the session's cache now stands for."""
-        want, cache = len(tokens) - 1, self.prefix_cache
+        want = len(tokens) - 1
         have = min(int(sess.cache.lengths[0]), common_prefix_len(sess.tokens, tokens))
-        if want - have < cache.block:
+        if want - have >= self.prefix_cache.block:
+            self.metrics.prefix_cache_queries.inc(want)
+        n, kv = restore_longest(self.prefix_cache, self.target, tokens, at_most=want, more_than=have)
+        if kv is None:
             return sess.tokens
-        n, snapshot = cache.lookup(tokens, at_most=want)
-        self.metrics.prefix_cache_queries.inc(want)
-        if n <= have:
-            return sess.tokens
-        sess.cache = self.target.new_cache(1)
-        self.target.restore_prefix(sess.cache, snapshot, n)
+        sess.cache = kv
         self.metrics.prefix_cache_hits.inc(n)
         return tokens[:n]
 
     def _remember(self, sess: TargetSession) -> None:
         """Keep the session's KV (all its committed tokens but the last, which its cache holds)."""
-        n = len(sess.tokens) - 1
-        if sess.cache is None or n < self.prefix_cache.block or self.prefix_cache.covers(sess.tokens[:n]):
-            return
-        snapshot, nbytes = self.target.snapshot_prefix(sess.cache, n)
-        self.prefix_cache.insert(sess.tokens[:n], snapshot, nbytes)
+        if sess.cache is not None:
+            remember(self.prefix_cache, self.target, sess.cache, sess.tokens[:-1])
 
     def _prefix_cache_changed(self, cache: PrefixCache, evicted: int) -> None:
         self.metrics.prefix_cache_bytes.set(cache.bytes_held)

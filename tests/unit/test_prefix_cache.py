@@ -58,6 +58,15 @@ def backends(tiny_target, tmp_path_factory):
     return _backends(tiny_target, tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def endless(tmp_path_factory):
+    """The backends over a tiny target without an EOS token: answers run to their length."""
+    from specdec.models import tiny_llama
+
+    return _backends(tiny_llama(seed=0, vocab_size=96, num_layers=2, hidden_size=48, eos_token_id=None),
+                     tmp_path_factory)
+
+
 def _continue(lm, cache, rest: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
     """Prefill `rest` on the cache, then greedy steps: -> (the logits after rest, the tokens)."""
     logits = lm.prefill(cache, [rest]).logits[0]
@@ -85,3 +94,51 @@ def test_a_restored_prefix_continues_as_a_fresh_prefill(backends, name):
     # torch: the very keys and values, so the same logits (up to the rounding of a 13- vs a 45-token
     # forward); llama.cpp: its kernels depend on the forward's token count (its tie tolerance).
     assert gap < (0.05 if name == "llamacpp" else 1e-4), gap
+
+
+@pytest.mark.parametrize("name", ["hf", "fast", "llamacpp"])
+@pytest.mark.parametrize("method", ["plain", "prompt-lookup"])
+def test_the_engine_reuses_earlier_prompts_and_answers_and_its_output_stays_plain(endless, name, method):
+    """In process: a second call with the same start (a document asked about again) and a
+    conversation's next turn (prompt + answer + more) prefill only what follows the cached
+    prefix; every output equals plain decoding without a cache."""
+    from specdec.decode import plain_generate
+    from specdec.engine import Engine, EngineConfig
+    from specdec.models import LoadedModel
+    from specdec.types import StopConditions
+    from tests.conftest import assert_greedy_equal
+
+    lm = endless[name]
+    engine = Engine.from_models(LoadedModel(lm=lm, tokenizer=None, path=name), config=EngineConfig(prefix_cache_mb=8))
+    stop = StopConditions(max_new_tokens=16, eos_token_ids=lm.eos_token_ids or (lm.vocab_size - 1,))
+
+    def generate(prompt):
+        hits = engine.prefix_cache.stats.hits
+        out = engine.generate_ids([prompt], method=method, stop=stop)[0].token_ids
+        assert_greedy_equal(lm, prompt, out, plain_generate(lm, [prompt], stop=stop)[0].token_ids)
+        return list(out), engine.prefix_cache.stats.hits - hits
+
+    first, cold = generate(PROMPT)
+    _, shared = generate(PROMPT[:40] + [5, 6, 7])
+    turn2 = PROMPT + first + [8, 9, 10]
+    _, turn = generate(turn2)
+    assert cold == 0 and shared == 32  # the first call's prompt, in whole 16-token blocks
+    assert turn >= 16 * ((len(PROMPT) + len(first) - 1) // 16), "the next turn did not reuse the first turn's answer"
+    assert 0 < engine.prefix_cache.bytes_held <= 8 << 20
+
+
+def test_seeded_sampling_is_the_same_with_the_engines_prefix_cache_on_or_off(endless):
+    from specdec.engine import Engine, EngineConfig
+    from specdec.models import LoadedModel
+    from specdec.types import SamplingParams, StopConditions
+
+    lm = endless["fast"]
+    on = Engine.from_models(LoadedModel(lm=lm, tokenizer=None, path="fast"), config=EngineConfig(prefix_cache_mb=8))
+    off = Engine.from_models(LoadedModel(lm=lm, tokenizer=None, path="fast"), config=EngineConfig(prefix_cache_mb=0))
+    sampling, stop = SamplingParams(temperature=0.9, seed=7), StopConditions(max_new_tokens=12)
+    for engine in (on, off):
+        engine.generate_ids([PROMPT], sampling=sampling, stop=stop)  # warms the cache of `on`
+    got = [e.generate_ids([PROMPT[:40] + [3, 4]], method="prompt-lookup", sampling=sampling, stop=stop)[0].token_ids
+           for e in (on, off)]
+    assert on.prefix_cache.stats.hits >= 32 and off.prefix_cache is None
+    assert got[0] == got[1]
