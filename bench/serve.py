@@ -3,8 +3,9 @@
 would run instead; build it with `bash scripts/build-llama-server.sh`), on the same GGUF.
 
     python bench/serve.py [--threads 2] [--prompts 2] [--max-tokens 64] [--rounds 2] [--concurrency 1,8]
-                          [--stream] [--peer-cache off|on] [--servers specdec,llama-server]
-                          [--specdec-method auto] [--workload prompts|two-turn] [--json FILE]
+                          [--stream] [--peer-cache off|on] [--servers specdec,llama-server[,inprocess]]
+                          [--specdec-method auto] [--specdec-backend auto|fast|llamacpp]
+                          [--workload prompts|two-turn] [--json FILE]
                           [--url NAME=BASE_URL ...]
 
 - Per request: tok/s = completion tokens / wall time of the request (prompt processing included);
@@ -15,6 +16,8 @@ would run instead; build it with `bash scripts/build-llama-server.sh`), on the s
 - Texts: how many answers equal the other server's for the same prompt (both run llama.cpp on the
   same file; they may part where two tokens nearly tie, since the kernels a forward uses depend on
   how many tokens it holds).
+- `inprocess` is no server: specdec's engine in this process, as `specdec generate` runs it (the
+  same prompts and chat template; no HTTP; sequential only).
 - The servers are started here (each alone on the machine while measured: the other idles), or
   named with --url (already running). llama-server runs with --cache-ram 0 --no-cache-prompt
   unless --peer-cache on (its default: it reuses the KV of earlier prompts).
@@ -41,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from specdec.prompt_sets import read_prompt_rows  # noqa: E402
 from specdec.rpc.launcher import die_with_parent, free_port  # noqa: E402
 
+PEER = "llama-server"  # what the ratios and text comparisons are against, when it runs
 CATEGORIES = ("chat", "code", "math", "qa", "rag", "summarization", "translation")
 
 
@@ -50,6 +54,7 @@ class Server:
     base_url: str
     proc: Optional[subprocess.Popen] = None
     extra_body: dict = field(default_factory=dict)
+    engine: object = None  # "inprocess": specdec's Engine in this process, as `specdec generate` runs
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -75,11 +80,12 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> N
     raise SystemExit(f"{url} did not answer within {timeout} s; log: {log}")
 
 
-def start_specdec(threads: int, logs: Path, method: Optional[str], cache: bool = True) -> Server:
+def start_specdec(threads: int, logs: Path, method: Optional[str], cache: bool = True, backend: str = "auto") -> Server:
     ports = [free_port() for _ in range(4)]
     argv = [sys.executable, "-m", "specdec", "up", "--port", str(ports[0]), "--draft-port", str(ports[1]),
             "--target-port", str(ports[2]), "--http-port", str(ports[3]), "--no-metrics", "--threads", str(threads),
-            "--log-dir", str(logs / "specdec"), *([] if cache else ["--prefix-cache-mb", "0"])]
+            "--log-dir", str(logs / "specdec"), "--target-backend", backend,
+            *([] if cache else ["--prefix-cache-mb", "0"])]
     out = open(logs / "specdec-up.log", "wb")
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent, cwd=ROOT)
     _wait_http(f"http://127.0.0.1:{ports[3]}/health", proc, 900, logs / "specdec-up.log")
@@ -114,10 +120,34 @@ def _extras(obj) -> dict:
     return {k: extra[k] for k in ("specdec", "timings") if extra.get(k)}
 
 
+def start_inprocess(threads: int) -> Server:
+    """specdec's engine in this process, as `specdec generate` (defaults) runs: the measured
+    backend, method auto, no prefix cache (one prompt a process there)."""
+    import torch
+
+    from specdec.engine import Engine, EngineConfig
+
+    torch.set_num_threads(threads)
+    return Server("inprocess", "", engine=Engine(EngineConfig(prefix_cache_mb=0)))
+
+
+def request_inprocess(engine, prompt: str, max_tokens: int) -> dict:
+    from specdec.types import StopConditions
+
+    t0, first = time.perf_counter(), []
+    out = engine.complete(prompt, method="auto", stop=StopConditions(max_new_tokens=max_tokens),
+                          on_text=lambda piece: first or first.append(time.perf_counter() - t0))
+    return {"text": out.text, "tokens": len(out.result.token_ids), "s": time.perf_counter() - t0,
+            "ttft": first[0] if first else None}
+
+
 def request(server: Server, model: str, prompt: str, max_tokens: int, stream: bool) -> dict:
     """One chat completion through the openai SDK -> text, tokens, seconds, ttft (streaming), and
     what the server said of it (_extras)."""
     from openai import OpenAI
+
+    if server.engine is not None:
+        return request_inprocess(server.engine, prompt, max_tokens)
 
     client = OpenAI(base_url=server.base_url, api_key="none", timeout=600, max_retries=0)
     messages = [{"role": "user", "content": prompt}]
@@ -142,6 +172,8 @@ def request(server: Server, model: str, prompt: str, max_tokens: int, stream: bo
 
 
 def model_name(server: Server) -> str:
+    if server.engine is not None:
+        return "inprocess"
     with urllib.request.urlopen(f"{server.base_url}/models", timeout=10) as r:
         return json.load(r)["data"][0]["id"]
 
@@ -221,9 +253,9 @@ def report(got: dict, rows: list[dict], names: list[str]) -> dict:
             for n in names:
                 if ttfts[n]:
                     table[cat][f"{n} ttft_s"] = statistics.mean(ttfts[n])
-    equal = None
-    if len(names) == 2:
-        equal = sum(got[names[0]][r["id"]][0]["text"] == got[names[1]][r["id"]][0]["text"] for r in rows)
+    peer = PEER if PEER in names else names[-1]
+    equal = {n: sum(got[n][r["id"]][0]["text"] == got[peer][r["id"]][0]["text"] for r in rows)
+             for n in names if n != peer}
     return {"per_request_tok_s": table, "texts_equal": equal, "prompts": len(rows), "phases": phases(got, rows, names),
             "requests": got}
 
@@ -276,14 +308,16 @@ def print_phases(summary: dict, names: list[str]) -> None:
 
 
 def print_table(summary: dict, names: list[str]) -> None:
-    cols = names + ([f"{names[0]} / {names[1]}"] if len(names) == 2 else [])
+    peer = PEER if PEER in names else names[-1]
+    others = [n for n in names if n != peer]
+    cols = names + [f"{n} / {peer}" for n in others]
     print("| tok/s per request | " + " | ".join(cols) + " |")
     print("|---|" + "---:|" * len(cols))
     for cat, row in summary["per_request_tok_s"].items():
-        cells = [f"{row[n]:.1f}" for n in names] + ([f"{row[names[0]] / row[names[1]]:.2f}x"] if len(names) == 2 else [])
+        cells = [f"{row[n]:.1f}" for n in names] + [f"{row[n] / row[peer]:.2f}x" for n in others]
         print(f"| {cat} | " + " | ".join(cells) + " |")
-    if summary["texts_equal"] is not None:
-        print(f"texts equal across the two servers: {summary['texts_equal']} of {summary['prompts']}")
+    for n, same in summary["texts_equal"].items():
+        print(f"texts equal, {n} and {peer}: {same} of {summary['prompts']}")
 
 
 def parse_args(argv=None):
@@ -295,8 +329,9 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", default="1", help="comma list, e.g. 1,8 (1: the per-request table only)")
     p.add_argument("--stream", action="store_true", help="stream (and measure time to first token)")
     p.add_argument("--peer-cache", choices=["off", "on"], default="off", help="llama-server's prompt cache")
-    p.add_argument("--servers", default="specdec,llama-server",
-                   help="comma list of specdec, specdec-nocache (prefix cache off), llama-server")
+    p.add_argument("--servers", default="specdec,llama-server",  # also: specdec-nocache, inprocess
+                   help="comma list of specdec, specdec-nocache (prefix cache off), llama-server, inprocess")
+    p.add_argument("--specdec-backend", default="auto", help="`specdec up --target-backend` (default auto)")
     p.add_argument("--workload", choices=["prompts", "two-turn"], default="prompts",
                    help="prompts: the per-request table; two-turn: second turns of two-turn prompts (ttft)")
     p.add_argument("--specdec-method", default=None, help="the `specdec.method` request field (default: auto)")
@@ -315,8 +350,11 @@ def main(argv=None) -> int:
     servers = [Server(n, u) for n, u in given.items()]
     for name in [n for n in args.servers.split(",") if n not in given]:
         if name in ("specdec", "specdec-nocache"):
-            servers.append(start_specdec(args.threads, logs, args.specdec_method, cache=name == "specdec"))
+            servers.append(start_specdec(args.threads, logs, args.specdec_method, cache=name == "specdec",
+                                         backend=args.specdec_backend))
             servers[-1].name = name
+        elif name == "inprocess":
+            servers.append(start_inprocess(args.threads))
         elif name == "llama-server":
             binary = llama_server_binary()
             if binary is None:
@@ -328,7 +366,7 @@ def main(argv=None) -> int:
         names = [s.name for s in servers]
         if args.workload == "two-turn":
             pairs = [r for r in read_prompt_rows() if len(r.get("turns", ())) >= 2][: 2 * args.prompts]
-            result = two_turns(servers, pairs, args)
+            result = two_turns([s for s in servers if s.engine is None], pairs, args)
             print(f"# second turns of {len(pairs)} two-turn prompts, {args.max_tokens} tokens, {args.threads} threads")
             for n, v in result.items():
                 print(f"{n}: time to first token {v['ttft_s']:.3f} s, {v['tok_s']:.1f} tok/s")
@@ -336,7 +374,7 @@ def main(argv=None) -> int:
                 Path(args.json).write_text(json.dumps({"two_turn": result, "settings": vars(args)}, indent=1))
             return 0
         summary = report(sequential(servers, rows, args), rows, names)
-        summary["aggregate"] = {c: {s.name: concurrent_run(s, rows, c, args) for s in servers}
+        summary["aggregate"] = {c: {s.name: concurrent_run(s, rows, c, args) for s in servers if s.engine is None}
                                 for c in concurrency if c > 1}
         summary["settings"] = vars(args)
         print(f"# {len(rows)} prompts, {args.max_tokens} tokens, {args.rounds} rounds, {args.threads} threads, "

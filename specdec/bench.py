@@ -326,7 +326,7 @@ def build_context(config: BenchConfig, target: Optional[LoadedModel] = None,
             continue
         ctx.engines[backend] = Engine.from_models(_on_backend(target, backend),
                                                   None if draft is None else _on_backend(draft, backend),
-                                                  EngineConfig(target=config.target))
+                                                  EngineConfig(target=config.target, prefix_cache_mb=0))
     return ctx
 
 
@@ -358,7 +358,8 @@ def _llamacpp_engine(config: BenchConfig, draft: Optional[LoadedModel]):
     if draft is not None and is_draft_dir(Path(draft.path)):
         on_cpp = LoadedModel(lm=load_draft(Path(draft.path), target.lm, backend="auto"), tokenizer=target.tokenizer,
                              path=draft.path)
-    return Engine.from_models(target, on_cpp, EngineConfig(target=config.target, backend="llamacpp"))
+    return Engine.from_models(target, on_cpp,
+                              EngineConfig(target=config.target, backend="llamacpp", prefix_cache_mb=0))
 
 
 def _on_backend(loaded: LoadedModel, backend: str) -> LoadedModel:
