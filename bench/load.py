@@ -1,10 +1,12 @@
 """Sustained load through the coordinator on loopback (issue 16, test 8): a benchmark, not a test.
 
-    python bench/load.py [--streams 64] [--seconds 60] [--max-tokens 64] [--k 4]
+    python bench/load.py [--streams 64] [--seconds 60] [--max-tokens 64] [--k 4] [--real [--threads 2]]
 
 Starts redis-server, a draft, a target and a coordinator, each its own process on 127.0.0.1 with
-tiny seeded models (bench/load.py --serve ...), then keeps N streams busy for S seconds: each
-stream opens GenerateStream with a token prompt, reads it to the end, and starts the next. Prints
+tiny seeded models (bench/load.py --serve ...), or with --real `specdec up` as a user runs it (the
+embedded default, its defaults; prompts: the held-out dev set's first turns, as text), then keeps
+N streams busy for S seconds: each stream opens GenerateStream with a prompt, reads it to the end
+(tiny models: all max-tokens; real: to the end of the answer), and starts the next. Prints
 the errors (by status), p50/p99 time to first token and inter-token latency (between streamed
 chunks, per token), tokens/s, and each process's RSS at baseline (after a warm-up request),
 right after the load, and after a settle pause: whether it is back within 10% of its baseline.
@@ -25,7 +27,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from specdec.prompt_sets import read_prompt_rows  # noqa: E402
+
 VOCAB = 96
+
+
+def children(pid: int) -> list[int]:
+    """Every process below pid (Linux /proc), depth first."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            kids = [int(x) for x in fh.read().split()]
+    except OSError:
+        return []
+    return [p for k in kids for p in (k, *children(k))]
+
+
+def process_name(pid: int) -> str:
+    """A short name from a process's command line: the service it runs."""
+    with open(f"/proc/{pid}/cmdline", "rb") as fh:
+        argv = fh.read().decode(errors="replace").split("\0")
+    for known in ("redis-server", "coordinator", "draft_service", "target_service"):
+        if any(known in a for a in argv):
+            return known
+    return os.path.basename(argv[0])
 
 
 def rss_mib(pid: int) -> float:
@@ -90,8 +114,16 @@ async def load(args, address: str, pids: dict[str, int]) -> None:
     from specdec.rpc.clients import CoordinatorClient
 
     client = CoordinatorClient(address)
-    warm = await client.generate(client.request(token_ids=[5, 6, 7, 8], max_tokens=args.max_tokens, k=args.k))
-    assert len(warm.token_ids) == args.max_tokens
+    texts = [r["turns"][0] for r in read_prompt_rows()] if args.real else []
+
+    def request(i: int, n: int):
+        if args.real:
+            return client.request(text=texts[(i * 5 + n) % len(texts)], max_tokens=args.max_tokens)
+        prompt = [(i * 7 + n * 3 + j) % (VOCAB - 2) + 2 for j in range(8)]
+        return client.request(token_ids=prompt, max_tokens=args.max_tokens, k=args.k)
+
+    warm = await client.generate(request(0, 0))
+    assert args.real or len(warm.token_ids) == args.max_tokens
     await asyncio.sleep(1)
     base = {name: rss_mib(pid) for name, pid in pids.items()}
     ttft, itl, errors, done, tokens = [], [], Counter(), 0, 0
@@ -102,13 +134,13 @@ async def load(args, address: str, pids: dict[str, int]) -> None:
         n = 0
         while time.monotonic() < end:
             n += 1
-            prompt = [(i * 7 + n * 3 + j) % (VOCAB - 2) + 2 for j in range(8)]
-            req = client.request(token_ids=prompt, max_tokens=args.max_tokens, k=args.k)
+            req = request(i, n)
             t0 = last = time.perf_counter()
-            got = 0
+            got, finish = 0, ""
             try:
-                async for msg in client.stub.GenerateStream(req, timeout=120):
+                async for msg in client.stub.GenerateStream(req, timeout=300):
                     now = time.perf_counter()
+                    finish = msg.finish_reason or finish
                     if msg.token_ids:
                         if got == 0:
                             ttft.append(now - t0)
@@ -116,8 +148,8 @@ async def load(args, address: str, pids: dict[str, int]) -> None:
                             itl.append((now - last) / len(msg.token_ids))
                         got += len(msg.token_ids)
                         last = now
-                if got != args.max_tokens:
-                    errors[f"short stream ({got} tokens)"] += 1
+                if got != args.max_tokens and not (args.real and finish == "stop" and got > 0):
+                    errors[f"short stream ({got} tokens, {finish or 'no finish reason'})"] += 1
                 else:
                     done += 1
                 tokens += got
@@ -132,8 +164,8 @@ async def load(args, address: str, pids: dict[str, int]) -> None:
     settled = {name: rss_mib(pid) for name, pid in pids.items()}
     await client.close()
 
-    print(f"# {args.streams} streams x {args.seconds:g} s, {args.max_tokens} tokens per request, k={args.k}, "
-          f"tiny models, loopback")
+    models = f"specdec up (embedded default, {args.threads} threads)" if args.real else f"k={args.k}, tiny models"
+    print(f"# {args.streams} streams x {args.seconds:g} s, {args.max_tokens} tokens per request, {models}, loopback")
     print(f"completed streams: {done}; tokens: {tokens} ({tokens / wall:.0f} tokens/s over {wall:.1f} s)")
     print(f"errors: {sum(errors.values())}" + "".join(f"\n  {n} x {e}" for e, n in errors.most_common()))
     print(f"time to first token: p50 {pct(ttft, 50) * 1e3:.1f} ms, p99 {pct(ttft, 99) * 1e3:.1f} ms "
@@ -153,6 +185,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--settle", type=float, default=5.0, help="seconds to wait after the load before the last RSS")
+    p.add_argument("--real", action="store_true", help="`specdec up` with the embedded default, real prompts")
+    p.add_argument("--threads", type=int, default=2, help="--real: `specdec up --threads`")
     p.add_argument("--serve", choices=["draft", "target", "coordinator"], help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--redis-url", help=argparse.SUPPRESS)
@@ -165,6 +199,8 @@ def main() -> int:
 
     from specdec.rpc.launcher import RedisServer, free_port, stop_processes
 
+    if args.real:
+        return load_real(args)
     env = dict(os.environ, OMP_NUM_THREADS="1", GRPC_VERBOSITY="ERROR")
     redis = RedisServer().start()
     ports = {name: free_port() for name in ("draft", "target", "coordinator")}
@@ -182,6 +218,43 @@ def main() -> int:
     finally:
         stop_processes(list(procs.values()), 15)
         redis.stop()
+    return 0
+
+
+def target_gauge(name: str, port: int = 9462) -> float:
+    """A gauge from the target service's /metrics (specdec up's default metrics port)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return float("nan")
+
+
+def load_real(args) -> int:
+    """`specdec up` (its defaults) in a child, its services' processes measured."""
+    import tempfile
+
+    from specdec.rpc.launcher import die_with_parent, free_port, stop_processes
+
+    ports = [free_port() for _ in range(3)]
+    logs = Path(tempfile.mkdtemp(prefix="specdec-load-"))
+    argv = [sys.executable, "-m", "specdec", "up", "--port", str(ports[0]), "--draft-port", str(ports[1]),
+            "--target-port", str(ports[2]), "--http-port", "-1", "--threads", str(args.threads),
+            "--log-dir", str(logs)]
+    up = subprocess.Popen(argv, stdout=open(logs / "up.log", "wb"), stderr=subprocess.STDOUT,
+                          preexec_fn=die_with_parent, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        asyncio.run(wait_serving(f"127.0.0.1:{ports[0]}", timeout=900))
+        pids = {process_name(p): p for p in children(up.pid)}
+        asyncio.run(load(args, f"127.0.0.1:{ports[0]}", pids))
+        held = target_gauge("specdec_prefix_cache_bytes")
+        print(f"the target's prefix cache holds {held / 2**20:.0f} MiB (its budget: `specdec up --prefix-cache-mb`, "
+              "default 1024), part of its RSS by design")
+    finally:
+        stop_processes([up], 60)
+    print(f"(the services' logs: {logs})")
     return 0
 
 

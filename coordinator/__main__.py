@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-wait-s", type=float, default=30.0,
                    help="how long a session waits for a live target replica before UNAVAILABLE (default 30)")
     p.add_argument("--max-k", type=int, default=16)
+    p.add_argument("--sessions-per-target", type=int, default=8,
+                   help="sessions generating at once per live target replica; the others wait their turn "
+                        "(as llama-server's slots)")
     p.add_argument("--token-file", default=None,
                    help="file of accepted bearer token hashes (sha256 hex, one a line), re-read when it changes")
     p.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=False,
@@ -124,7 +127,10 @@ async def _serve(args: argparse.Namespace) -> None:
     from coordinator.discovery import EndpointSliceWatcher, parse_replicas
     from coordinator.servicer import start_coordinator_server
 
+    if args.sessions_per_target < 1:
+        raise SystemExit(f"--sessions-per-target must be >= 1, got {args.sessions_per_target}")
     settings = CoordinatorSettings(session_ttl_s=args.session_ttl, pipeline=args.pipeline,
+                                   sessions_per_target=args.sessions_per_target,
                                    commit_behind=args.commit_behind, step_streams=args.step_streams,
                                    propose_deadline_s=args.propose_deadline_s, max_k=args.max_k,
                                    target_wait_s=args.target_wait_s)

@@ -23,6 +23,7 @@ from specdec.rpc.metrics import ServiceMetrics
 from specdec.sessions import check_session_id, check_token_ids
 from specdec.step_choice import StepRates
 from coordinator.affinity import PrefixAffinity
+from coordinator.slots import SessionSlots
 from specdec.stopping import IncrementalText, StopChecker, cut_at_stop_string
 from specdec.types import ModelInfo, SamplingParams, StopConditions
 from coordinator.records import STORE_DOWN, SessionRecord
@@ -103,6 +104,8 @@ class Coordinator:
         self.background: set[asyncio.Task] = set()  # fire-and-forget calls (cache releases)
         self.step_rates = StepRates()  # auto: drafting or the target alone, by measured cost per token
         self.affinity = PrefixAffinity()  # which target replica read which prefixes (a new session's home)
+        self.slots = SessionSlots(settings.sessions_per_target, lambda: len(self.target_pool.live()),
+                                  on_change=self.metrics.sessions_waiting.set)
         self._info: Optional[ModelInfo] = None
         self._tokenizer = None
         self._longest_token = 1  # characters of the tokenizer's longest vocabulary entry
@@ -111,12 +114,20 @@ class Coordinator:
         self.store_ok = True  # the last answer of the store watcher
         self.on_store_change: Optional[Callable[[bool], Awaitable[None]]] = None  # e.g. health SERVING / NOT_SERVING
         self._store_watch: Optional[asyncio.Task] = None
+        self._targets_watch: Optional[asyncio.Task] = None
         self._store_recheck: Optional[asyncio.Future] = None
 
     def start(self) -> None:
         self.draft_pool.start()
         self.target_pool.start()
         self._store_watch = asyncio.get_running_loop().create_task(self._watch_store())
+        self._targets_watch = asyncio.get_running_loop().create_task(self._watch_targets())
+
+    async def _watch_targets(self) -> None:
+        """Target replicas that join bring free slots to the sessions waiting for one."""
+        while True:
+            await self.target_pool.changed.wait()
+            self.slots.wake()
 
     async def _watch_store(self) -> None:
         """Ping Redis in the background (not per request) and report each change: without its
@@ -382,8 +393,9 @@ class Coordinator:
         return run, offset
 
     async def close(self) -> None:
-        if self._store_watch is not None:
-            self._store_watch.cancel()
+        for watch in (self._store_watch, self._targets_watch):
+            if watch is not None:
+                watch.cancel()
         for run in list(self.runs.values()):
             if run.task is not None:
                 run.task.cancel()

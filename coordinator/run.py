@@ -29,6 +29,7 @@ before and after is sure, so that is what is kept if the call is cancelled or fa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -42,6 +43,7 @@ from specdec.stopping import StopChecker
 from specdec.types import DraftBlock, GenerationStats, SamplingParams, StopConditions
 from specdec.verify import common_prefix_len
 from coordinator.affinity import PrefixAffinity
+from coordinator.slots import SessionSlots
 from coordinator.records import SessionRecord
 
 if TYPE_CHECKING:
@@ -67,6 +69,7 @@ class RunHost(Protocol):
     background: set[asyncio.Task]  # fire-and-forget calls the host awaits on close
     step_rates: StepRates  # what each way of taking a step has cost per token (auto's choice)
     affinity: PrefixAffinity  # which target replica read which prefixes
+    slots: SessionSlots  # how many sessions generate at once
 
     def target_load(self, address: str) -> int: ...
 
@@ -169,36 +172,14 @@ class SessionRun:
     # --- the loop --------------------------------------------------------------------------
     async def _run(self) -> None:
         coord = self.coord
-        t0 = time.perf_counter() - self.stats.elapsed_s
         try:
-            if not self.verified_all:
-                t_prefill = time.perf_counter()
-                await self._prefill_both()
-                self._timed("prefill", t_prefill)
-            while not self.verified_all:
-                t_step = time.perf_counter()
-                emitted = await self._step()
-                t_wait = time.perf_counter()
-                await self._committed()  # the previous step's write (it raises what that write raised)
-                self._timed("commit wait", t_wait)
-                taken = self.checker.push(emitted)
-                self.tokens.extend(taken)
-                self.digests.extend(taken)
-                self.stats.emitted += len(taken)
-                self.stats.elapsed_s = time.perf_counter() - t0
-                status = "done" if self.verified_all else "running"
-                if self.verified_all:  # the target keeps the session's KV (prefix cache) before the answer is out
-                    await self._release_target()
-                # 4. commit before anyone sees the tokens; a cancellation does not cut a write in half.
-                self._commit = asyncio.ensure_future(self._commit_and_tell(
-                    taken, status, self.checker.finish_reason or "", self.stats.to_dict()))
-                if not coord.settings.commit_behind:
-                    t_wait = time.perf_counter()
-                    await self._committed()
-                    self._timed("commit wait", t_wait)
-                self._timed("step", t_step)
-            await self._committed()
-            self._release_caches()
+            async with contextlib.AsyncExitStack() as slot:
+                if not self.verified_all:
+                    await slot.enter_async_context(coord.slots.hold())  # (waits while the targets are full)
+                    t_prefill = time.perf_counter()
+                    await self._prefill_both()
+                    self._timed("prefill", t_prefill)
+                await self._steps(time.perf_counter() - self.stats.elapsed_s)
         except asyncio.CancelledError:
             await self._pause()
             raise
@@ -215,6 +196,34 @@ class SessionRun:
             coord.run_ended(self)
             async with self.changed:
                 self.changed.notify_all()
+
+    async def _steps(self, t0: float) -> None:
+        """Step until every token is verified, committing each step's tokens behind the next one."""
+        coord = self.coord
+        while not self.verified_all:
+            t_step = time.perf_counter()
+            emitted = await self._step()
+            t_wait = time.perf_counter()
+            await self._committed()  # the previous step's write (it raises what that write raised)
+            self._timed("commit wait", t_wait)
+            taken = self.checker.push(emitted)
+            self.tokens.extend(taken)
+            self.digests.extend(taken)
+            self.stats.emitted += len(taken)
+            self.stats.elapsed_s = time.perf_counter() - t0
+            status = "done" if self.verified_all else "running"
+            if self.verified_all:  # the target keeps the session's KV (prefix cache) before the answer is out
+                await self._release_target()
+            # 4. commit before anyone sees the tokens; a cancellation does not cut a write in half.
+            self._commit = asyncio.ensure_future(self._commit_and_tell(
+                taken, status, self.checker.finish_reason or "", self.stats.to_dict()))
+            if not coord.settings.commit_behind:
+                t_wait = time.perf_counter()
+                await self._committed()
+                self._timed("commit wait", t_wait)
+            self._timed("step", t_step)
+        await self._committed()
+        self._release_caches()
 
     async def _committed(self) -> None:
         if self._commit is not None:

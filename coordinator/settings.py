@@ -23,3 +23,5 @@ class CoordinatorSettings:
     probe_interval_s: float = 0.5  # health checks of every replica
     target_wait_s: float = 30.0  # how long a session waits for a live target replica
     max_active: int = 256  # concurrent runs; more are refused (RESOURCE_EXHAUSTED)
+    # Sessions generating at once per live target replica; the other runs wait their turn (coordinator.slots)
+    sessions_per_target: int = 8

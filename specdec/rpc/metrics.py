@@ -25,6 +25,8 @@ class ServiceMetrics:
                                   registry=r)
         self.sessions = Gauge(f"{PREFIX}_sessions", "sessions held (KV caches in memory, or live generations)",
                               registry=r)
+        self.sessions_waiting = Gauge(f"{PREFIX}_sessions_waiting", "sessions waiting for a slot on a target "
+                                      "(coordinator; vLLM's num_requests_waiting)", registry=r)
         self.session_rebuilds = Counter(f"{PREFIX}_session_rebuilds", "sessions rebuilt from their committed tokens",
                                         registry=r)
         self.num_drafts = Counter(f"{PREFIX}_spec_decode_num_drafts", "verified proposals", registry=r)
