@@ -320,6 +320,19 @@ def print_table(summary: dict, names: list[str]) -> None:
         print(f"texts equal, {n} and {peer}: {same} of {summary['prompts']}")
 
 
+def stamp() -> dict:
+    """Where and when the figures were measured: machine, date, the commit of the tree."""
+    import platform
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor() or platform.machine())
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=ROOT).stdout.strip()
+    return {"machine": f"{cpu}, {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d"),
+            "commit": (rev.stdout.strip() or "unknown") + ("+changes" if dirty else "")}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2)
@@ -371,12 +384,14 @@ def main(argv=None) -> int:
             for n, v in result.items():
                 print(f"{n}: time to first token {v['ttft_s']:.3f} s, {v['tok_s']:.1f} tok/s")
             if args.json:
-                Path(args.json).write_text(json.dumps({"two_turn": result, "settings": vars(args)}, indent=1))
+                Path(args.json).write_text(json.dumps({"two_turn": result, "settings": vars(args), "stamp": stamp()},
+                                                      indent=1))
             return 0
         summary = report(sequential(servers, rows, args), rows, names)
         summary["aggregate"] = {c: {s.name: concurrent_run(s, rows, c, args) for s in servers if s.engine is None}
                                 for c in concurrency if c > 1}
         summary["settings"] = vars(args)
+        summary["stamp"] = stamp()
         print(f"# {len(rows)} prompts, {args.max_tokens} tokens, {args.rounds} rounds, {args.threads} threads, "
               f"stream {args.stream}, llama-server prompt cache {args.peer_cache}")
         print_table(summary, names)

@@ -44,12 +44,13 @@ def dual_gguf(spec: Optional[str]) -> Optional[Path]:
 
 def load_fastest(spec: Optional[str], methods: Sequence[str], costs: CostStore,
                  cache_dir: Optional[Path] = None) -> LoadedModel:
-    """The target `spec` on the backend `auto` picks for these methods (() = any method; see the
-    module docstring)."""
+    """The target `spec` on the backend `auto` picks for these methods (see the module docstring;
+    () = not said: the measured choice, as for the default method; a tree method asked for later
+    is then refused on llama.cpp with the backend to use)."""
     from specdec.proposers import needs_trees
 
     gguf = dual_gguf(spec)
-    if gguf is None or not methods or any(needs_trees(m) for m in methods):
+    if gguf is None or any(needs_trees(m) for m in methods):
         return load_model(spec, cache_dir=cache_dir, backend="auto")
     return load_faster(gguf, costs, {"fast": lambda: load_model(spec, cache_dir=cache_dir, backend="fast"),
                                      "llamacpp": lambda: load_gguf_model(spec, cache_dir=cache_dir, costs=costs)})

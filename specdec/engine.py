@@ -34,8 +34,9 @@ class EngineConfig:
     # (its GGUF) and the float32 fast forward measures faster here for the methods below (specdec.
     # backend_choice); for other models the fast forward for float32 Llama-family models on CPU, else hf.
     backend: str = "auto"
-    # The methods this engine will be asked for (() = any): backend "auto" picks one that runs them all
-    # (Lookahead needs a torch backend; Medusa runs a chain on llama.cpp).
+    # The methods this engine will be asked for: backend "auto" picks one that runs them all (Lookahead
+    # needs a torch backend; Medusa runs a chain on llama.cpp); () = not said: the measured choice, as
+    # `specdec generate` makes it for its default method.
     methods: tuple[str, ...] = ()
     medusa_heads: Optional[str] = None  # Medusa heads directory (None: the heads shipped for the target)
     medusa_tree: Optional[str] = None  # Medusa tree: None/"auto", "chain", a node count, or JSON paths

@@ -120,6 +120,8 @@ def verify_step(target: CausalLM, cache: KVCache, rows: Sequence[RowStep],
     accept, and keep each row's root and accepted path in the cache. want_hidden / want_features:
     each outcome also carries the target's state behind the last emitted token / the states of
     the positions kept."""
+    if all(not r.proposal.token_ids and r.proposal.aux is None for r in rows):
+        return _plain_step(target, cache, rows, want_hidden, want_features)
     # 2. score: one target forward over every row's [root] + drafted nodes (+ aux inputs).
     ids, mask, depth, valid = pack_blocks([verify_block(r.proposal, r.root) for r in rows])
     out = target.forward(cache, ids, mask, depth, valid, want_hidden=want_hidden or want_features)
@@ -136,6 +138,22 @@ def verify_step(target: CausalLM, cache: KVCache, rows: Sequence[RowStep],
         features = out.hidden[i, kept] if want_features else None  # [1 + accepted, hidden]
         outcomes.append(StepOutcome(_verdict(row, path, nxt, logits[i]), hidden, features))
     cache.keep_last(keep)
+    return outcomes
+
+
+def _plain_step(target: CausalLM, cache: KVCache, rows: Sequence[RowStep], want_hidden: bool,
+                want_features: bool) -> list[StepOutcome]:
+    """verify_step when no row drafted anything: one token per row, fed as a plain decoding step
+    (no block mask or depths to build), its next token as the acceptance rule would pick it."""
+    ids = torch.tensor([[r.root] for r in rows], dtype=torch.long)  # [rows, 1]
+    out = target.forward(cache, ids, want_hidden=want_hidden or want_features)
+    outcomes = []
+    for i, row in enumerate(rows):
+        nxt = next_token(out.logits[i, 0], row.sampling, row.generator)
+        verdict = Verdict(row_id=row.row_id, num_drafted=0, num_accepted=0, emitted=(nxt,))
+        outcomes.append(StepOutcome(verdict, out.hidden[i, 0] if want_hidden else None,
+                                    out.hidden[i, :1] if want_features else None))
+    cache.keep_last(torch.ones(len(rows), 1, dtype=torch.bool))
     return outcomes
 
 

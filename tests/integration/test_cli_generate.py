@@ -55,6 +55,8 @@ def test_generate_prints_the_answer_then_one_stats_line_and_no_progress_bars(cac
     # llama-cpp-python's own chat completion does; the float32 fast path answers "Paris".)
     assert "\n".join(answer) == want and want
     assert stats.startswith("[auto: ") and f" on {faster}] " in stats and "tok/s" in stats
+    # The library's default engine means the same by auto: the same measured choice, read from the same costs.
+    assert Engine(EngineConfig(cost_cache=cache_home / "specdec" / "costs")).backend == faster
 
 
 def test_generate_measures_costs_once_per_machine_and_reuses_them(cache_home):
