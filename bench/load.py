@@ -197,7 +197,7 @@ def main() -> int:
         asyncio.run(serve(args.serve, args.port, args.redis_url, args.draft, args.target))
         return 0
 
-    from specdec.rpc.launcher import RedisServer, free_port, stop_processes
+    from specdec.app.launcher import RedisServer, free_port, stop_processes
 
     if args.real:
         return load_real(args)
@@ -236,7 +236,7 @@ def load_real(args) -> int:
     """`specdec up` (its defaults) in a child, its services' processes measured."""
     import tempfile
 
-    from specdec.rpc.launcher import die_with_parent, free_port, stop_processes
+    from specdec.app.launcher import die_with_parent, free_port, stop_processes
 
     ports = [free_port() for _ in range(3)]
     logs = Path(tempfile.mkdtemp(prefix="specdec-load-"))

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from specdec.prompt_sets import read_prompt_rows  # noqa: E402
-from specdec.rpc.launcher import die_with_parent, free_port  # noqa: E402
+from specdec.app.launcher import die_with_parent, free_port  # noqa: E402
 
 PEER = "llama-server"  # what the ratios and text comparisons are against, when it runs
 CATEGORIES = ("chat", "code", "math", "qa", "rag", "summarization", "translation")

@@ -122,7 +122,7 @@ class Procs:
         return proc
 
     def stop(self):
-        from specdec.rpc.launcher import stop_processes
+        from specdec.app.launcher import stop_processes
 
         stop_processes(self.procs, 20)
 
@@ -361,7 +361,7 @@ def main() -> int:
 
     from draft_service.models import load_draft
     from specdec.models import load_model
-    from specdec.rpc.launcher import RedisServer, _wait_serving, free_port
+    from specdec.app.launcher import RedisServer, _wait_serving, free_port
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # clean up children
     if args.threads:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
 from specdec.errors import FailedPrecondition, InvalidRequest, NotFound, Overloaded, Unavailable
-from specdec.rpc.metrics import ServiceMetrics
+from specdec.service.metrics import ServiceMetrics
 from specdec.sessions import check_session_id, check_token_ids
 from specdec.step_choice import StepRates
 from coordinator.affinity import PrefixAffinity

@@ -48,7 +48,7 @@ from coordinator.records import SessionRecord
 
 if TYPE_CHECKING:
     from specdec.rpc.clients import DraftClient, TargetClient
-    from specdec.rpc.metrics import ServiceMetrics
+    from specdec.service.metrics import ServiceMetrics
     from coordinator.routing import ReplicaPool
     from coordinator.sessions import SessionStore
     from coordinator.settings import CoordinatorSettings

@@ -8,7 +8,7 @@ import logging
 from typing import Optional, Sequence
 
 from specdec.rpc import convert
-from specdec.rpc.metrics import ServiceMetrics
+from specdec.service.metrics import ServiceMetrics
 from specdec.rpc.security import ClientTLS, TokenFile
 from specdec.rpc.serving import RunningServer, ServerSettings, start_server
 from specdec.rpc.v1 import coordinator_pb2, coordinator_pb2_grpc, draft_pb2, target_pb2

@@ -18,9 +18,9 @@ import torch
 from specdec.errors import InvalidRequest, NotFound
 from specdec.lm import CausalLM
 from specdec.proposers.draft_model import DraftModelProposer, DraftRows
-from specdec.rpc.batching import MicroBatcher
-from specdec.rpc.metrics import ServiceMetrics
-from specdec.rpc.session_table import SessionTable
+from specdec.service.batching import MicroBatcher
+from specdec.service.metrics import ServiceMetrics
+from specdec.service.session_table import SessionTable
 from specdec.sampling import draft_seed, make_generator
 from specdec.sessions import PrefixDigests, check_token_ids, extend_digest, step_seed
 from specdec.types import ProposeContext, SamplingParams

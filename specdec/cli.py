@@ -161,13 +161,13 @@ def _lookahead_config(args: argparse.Namespace):
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:
-    from specdec.rpc.cli_commands import add_up  # grpc is imported only when the command runs
+    from specdec.app.cli_commands import add_up  # grpc is imported only when the command runs
 
     add_up(sub)
 
 
 def _add_client(sub: argparse._SubParsersAction) -> None:
-    from specdec.rpc.cli_commands import add_client
+    from specdec.app.cli_commands import add_client
 
     add_client(sub)
 

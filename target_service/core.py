@@ -28,9 +28,9 @@ from specdec.lm import CausalLM
 from specdec.prefix_cache import PrefixCache, remember, restore_longest
 from specdec.models import user_cost_store
 from specdec.proposers import PROPOSERS, Proposer, ProposerEnv, ProposerFactory, load_proposer
-from specdec.rpc.batching import MicroBatcher
-from specdec.rpc.metrics import ServiceMetrics
-from specdec.rpc.session_table import SessionTable
+from specdec.service.batching import MicroBatcher
+from specdec.service.metrics import ServiceMetrics
+from specdec.service.session_table import SessionTable
 from specdec.sampling import make_generator
 from specdec.sessions import PrefixDigests, check_token_ids, extend_digest, step_seed
 from specdec.stopping import StopChecker
@@ -88,6 +88,7 @@ class _Step:
     # Decode: the call's bookkeeping. Its steps record their verdicts here, on the model thread, and
     # go on there (no hop back to the event loop per token) until it is done or other work waits.
     progress: Optional[RowProgress] = None
+    abandoned: bool = False  # Decode: its caller is gone (cancelled): the model thread takes no more of its forwards
 
     @property
     def proposer_k(self) -> int:
@@ -245,7 +246,8 @@ class TargetCore:
                 steps[i].progress.record(results[i])
                 steps[i].position = None  # in sync from here on
             # Go on only while every step of the batch does: a finished one's caller gets its answer now.
-            if len(decodes) < len(steps) or any(steps[i].progress.done for i in decodes) or self.batcher.others_waiting():
+            if (len(decodes) < len(steps) or any(steps[i].progress.done or steps[i].abandoned for i in decodes)
+                    or self.batcher.others_waiting()):
                 return results
             self.metrics.batch_size.observe(len(steps))
             results = self._forward_steps(steps)
@@ -351,8 +353,12 @@ class TargetCore:
                 if proposer is None:
                     proposer = sess.proposers[method] = await self.batcher.run_alone(self.methods[method])
             step = _Step(sess, pos, sampling=sampling, proposer=proposer, progress=progress)  # the first syncs
-            while not progress.done:
-                await self.batcher.submit(step)  # takes one forward or more (_run_steps)
+            try:
+                while not progress.done:
+                    await self.batcher.submit(step)  # takes one forward or more (_run_steps)
+            except asyncio.CancelledError:
+                step.abandoned = True
+                raise
         s = progress.stats
         return dict(emitted=tuple(progress.checker.generated), method=method, target_forwards=s.target_forwards,
                     num_drafted=s.drafted, num_accepted=s.accepted)

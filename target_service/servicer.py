@@ -7,7 +7,7 @@ from typing import Optional
 
 from specdec.lm import CausalLM
 from specdec.rpc import convert
-from specdec.rpc.metrics import ServiceMetrics
+from specdec.service.metrics import ServiceMetrics
 from specdec.rpc.serving import RunningServer, ServerSettings, start_server
 from specdec.rpc.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.sessions import check_session_id

@@ -37,7 +37,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specdec.errors import (Aborted, FailedPrecondition, IncompatibleModels, InvalidRequest, ModelLoadError, NotFound,
                             Overloaded, SpecdecError, Unavailable, public_message)
-from specdec.rpc.metrics import ServiceMetrics
+from specdec.service.metrics import ServiceMetrics
 from specdec.rpc.security import SecurityConfigError, ServerTLS, TokenAuthInterceptor, TokenFile, check_plaintext_allowed
 
 log = logging.getLogger("specdec.rpc")

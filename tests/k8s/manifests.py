@@ -588,7 +588,7 @@ def adapter_metrics() -> dict[str, str]:
 
 def exported_series() -> set[str]:
     """Prometheus series names the services export (their ServiceMetrics registry)."""
-    from specdec.rpc.metrics import ServiceMetrics
+    from specdec.service.metrics import ServiceMetrics
 
     names = set()
     for metric in ServiceMetrics("check").registry.collect():

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from specdec.models import perturbed_copy, tiny_llama
-from specdec.rpc.launcher import find_redis_server
+from specdec.app.launcher import find_redis_server
 from specdec.rpc.security import ClientTLS, token_hash
 from tests.tlscerts import make_ca
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specdec.models import perturbed_copy, tiny_llama
-from specdec.rpc.launcher import RedisServer
+from specdec.app.launcher import RedisServer
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from draft_service.core import DraftSettings
 from draft_service.servicer import start_draft_server
 from specdec.lm import CausalLM
 from specdec.rpc.clients import CoordinatorClient
-from specdec.rpc.metrics import ServiceMetrics
+from specdec.service.metrics import ServiceMetrics
 from specdec.rpc.security import ClientTLS
 from specdec.rpc.serving import RunningServer, ServerSettings
 from target_service.core import TargetSettings

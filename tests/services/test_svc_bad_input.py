@@ -8,7 +8,7 @@ import pytest
 from specdec.rpc import convert
 from specdec.rpc.clients import CoordinatorClient
 from specdec.rpc.serving import ServerSettings, start_server
-from specdec.rpc.metrics import ServiceMetrics
+from specdec.service.metrics import ServiceMetrics
 from specdec.rpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.types import SamplingParams
 from tests.conftest import assert_greedy_equal

@@ -13,7 +13,7 @@ import pytest
 from coordinator.servicer import start_coordinator_server
 from specdec.models import tiny_llama
 from specdec.rpc.clients import CoordinatorClient
-from specdec.rpc.launcher import free_port
+from specdec.app.launcher import free_port
 from specdec.rpc.serving import ServerSettings
 from tests.services.stack import FAST, TEXT_VOCAB, local_stack, run, save_char_tokenizer, slow
 

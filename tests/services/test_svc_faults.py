@@ -127,7 +127,7 @@ async def _wait_health(address: str, serving: bool, timeout: float = 15.0) -> bo
 
 
 def test_redis_lost_turns_health_not_serving_and_requests_work_again_once_it_is_back(long_target, good_draft):
-    from specdec.rpc.launcher import RedisServer
+    from specdec.app.launcher import RedisServer
 
     redis = RedisServer().start()  # our own: this test kills it
 

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 
 from coordinator.__main__ import build_parser, redis_options
 from coordinator.sessions import STORE_DOWN
-from specdec.rpc.launcher import RedisServer
+from specdec.app.launcher import RedisServer
 from tests.services.stack import local_stack, run
 from tests.tlscerts import make_ca
 
@@ -159,7 +159,7 @@ def tls_redis(tmp_path):
 
     import redis as syncredis
 
-    from specdec.rpc.launcher import die_with_parent, free_port
+    from specdec.app.launcher import die_with_parent, free_port
 
     ca = make_ca(tmp_path, "redis-ca")
     cert, key = ca.issue("redis", hosts=("127.0.0.1",))

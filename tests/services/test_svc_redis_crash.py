@@ -14,7 +14,7 @@ import pytest
 
 from coordinator.records import STORE_DOWN
 from specdec.decode import plain_generate
-from specdec.rpc.launcher import RedisServer
+from specdec.app.launcher import RedisServer
 from specdec.types import StopConditions
 from tests.conftest import assert_greedy_equal
 from tests.services.stack import local_stack, run, slow

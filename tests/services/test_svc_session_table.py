@@ -3,7 +3,7 @@
 import pytest
 
 from specdec.errors import NotFound
-from specdec.rpc.session_table import SessionTable
+from specdec.service.session_table import SessionTable
 
 
 class Gauge:

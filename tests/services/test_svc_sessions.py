@@ -93,7 +93,7 @@ def test_unknown_and_malformed_sessions(redis_url):
 
 
 def test_a_down_redis_is_unavailable(redis_server):
-    from specdec.rpc.launcher import RedisServer
+    from specdec.app.launcher import RedisServer
 
     async def scenario(url):
         store = SessionStore(url)

@@ -15,7 +15,7 @@ from specdec.decode import plain_generate
 from specdec.rpc.clients import ServiceClient
 from specdec.rpc.security import ClientTLS, SecurityConfigError, ServerTLS
 from specdec.rpc.serving import ServerSettings, start_server
-from specdec.rpc.metrics import ServiceMetrics
+from specdec.service.metrics import ServiceMetrics
 from specdec.types import StopConditions
 from tests.conftest import assert_greedy_equal
 from tests.services.stack import local_stack, run

@@ -19,7 +19,7 @@ import pytest
 from specdec.decode import plain_generate
 from specdec.models import perturbed_copy, tiny_llama
 from specdec.rpc.clients import CoordinatorClient
-from specdec.rpc.launcher import free_port
+from specdec.app.launcher import free_port
 from specdec.types import StopConditions
 from tests.conftest import assert_greedy_equal
 from tests.services.stack import TEXT_VOCAB, save_char_tokenizer
@@ -211,7 +211,7 @@ def test_up_makes_its_log_dir_or_refuses_before_starting_anything(tmp_path, caps
 
 def test_a_redis_server_started_by_a_process_killed_by_a_signal_does_not_outlive_it(tmp_path):
     """A test run (or `specdec up`) killed by a signal runs no clean-up: its children die with it."""
-    script = ("import os, signal, sys; from specdec.rpc.launcher import RedisServer; r = RedisServer().start(); "
+    script = ("import os, signal, sys; from specdec.app.launcher import RedisServer; r = RedisServer().start(); "
               "print(r.proc.pid, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == -signal.SIGKILL

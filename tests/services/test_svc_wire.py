@@ -70,11 +70,12 @@ def test_only_specdec_rpc_imports_grpc_and_nothing_in_specdec_imports_redis():
 
 
 def _core_modules() -> list[str]:
-    """Every module of the core (specdec outside specdec/rpc/), entry points aside."""
+    """Every module of the core and of the service runtime (specdec outside the wire, specdec/rpc/,
+    and the application, specdec/app/), entry points aside."""
     names = []
     for path in sorted((ROOT / "specdec").rglob("*.py")):
         rel = path.relative_to(ROOT)
-        if rel.parts[:2] == ("specdec", "rpc") or path.name == "__main__.py":
+        if rel.parts[:2] in (("specdec", "rpc"), ("specdec", "app")) or path.name == "__main__.py":
             continue
         names.append(".".join(rel.with_suffix("").parts).removesuffix(".__init__"))
     return names

@@ -41,7 +41,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     import signal
 
     from specdec.errors import SpecdecError
-    from specdec.rpc.launcher import start_stack
+    from specdec.app.launcher import start_stack
 
     if args.log_dir:  # made (or refused) before anything starts
         try:

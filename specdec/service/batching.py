@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generic, Optional, Sequence, TypeVar
 
 from specdec.errors import Overloaded
-from specdec.rpc.metrics import ServiceMetrics
+from specdec.service.metrics import ServiceMetrics
 
 T = TypeVar("T")
 

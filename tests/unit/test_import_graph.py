@@ -1,0 +1,141 @@
+"""The import graph of the hand-written modules (module-level imports, read with ast): the rooms
+of the house are separate packages, layered, without a cycle.
+
+Layers, lowest first; a module may import its own layer and those below, never one above:
+  core      specdec/ (algorithms, models, backends, training) outside the packages below
+  runtime   specdec/service/: batching, session table, metrics: the services' grpc-free runtime
+  wire      specdec/rpc/: generated stubs, conversion, serving, clients, security
+  services  draft_service/, target_service/, coordinator/
+  app       specdec/app/ (`specdec up`, `specdec client`) and the CLI entry points
+The cores of the services (`*/core.py` and what they import of their own package) sit below the
+wire: they load no grpc (tests/services/test_svc_wire.py checks that at run time)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("specdec", "draft_service", "target_service", "coordinator")
+LAYERS = ("core", "runtime", "wire", "services", "app")
+APP_MODULES = {"specdec.cli", "specdec.__main__", "specdec.bench_cli"}
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def hand_written() -> dict[str, Path]:
+    """Module name -> file, generated stubs (specdec/rpc/v1) left out."""
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            if "v1" in path.relative_to(ROOT).parts:
+                continue
+            out[module_name(path)] = path
+    return out
+
+
+def top_level_imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """The hand-written modules `name` imports when it loads (not inside functions, not only for
+    type checkers)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+
+    def resolve(mod: str) -> None:
+        while mod and mod not in known:
+            mod = mod.rpartition(".")[0]
+        if mod:
+            found.add(mod)
+
+    def visit(body) -> None:
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    resolve(alias.name)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                for alias in node.names:
+                    resolve(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+            elif isinstance(node, (ast.If, ast.Try)):
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    visit(tree.body)
+    found.discard(name)
+    return found
+
+
+def layer(name: str) -> str:
+    if name in APP_MODULES or name.startswith("specdec.app"):
+        return "app"
+    if name.startswith("specdec.service"):
+        return "runtime"
+    if name.startswith("specdec.rpc"):
+        return "wire"
+    if name.startswith(("draft_service", "target_service", "coordinator")):
+        return "services"
+    return "core"
+
+
+def graph() -> dict[str, set[str]]:
+    mods = hand_written()
+    return {name: top_level_imports(path, name, set(mods)) for name, path in mods.items()}
+
+
+def test_nothing_imports_a_layer_above_its_own():
+    g = graph()
+    up = sorted(f"{a} ({layer(a)}) imports {b} ({layer(b)})" for a, deps in g.items() for b in deps
+                if LAYERS.index(layer(b)) > LAYERS.index(layer(a)))
+    assert not up, "\n".join(up)
+
+
+def test_the_service_runtime_is_a_package_of_its_own_and_the_wire_holds_no_runtime():
+    g = graph()
+    runtime = {m for m in g if layer(m) == "runtime"}
+    assert {"specdec.service.batching", "specdec.service.session_table", "specdec.service.metrics"} <= runtime
+    assert not any(m.startswith("specdec.rpc.") and m.rsplit(".", 1)[1] in ("batching", "session_table", "metrics",
+                                                                             "launcher", "cli_commands") for m in g)
+    assert {"specdec.app.launcher", "specdec.app.cli_commands"} <= set(g)
+
+
+def test_the_services_cores_import_nothing_of_the_wire():
+    g = graph()
+    for core in ("draft_service.core", "target_service.core", "coordinator.core"):
+        seen, todo = set(), [core]
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            todo += [d for d in g[m] if layer(d) in ("services", "wire")]
+        assert not {m for m in seen if layer(m) == "wire"}, f"{core} reaches the wire: " \
+            f"{sorted(m for m in seen if layer(m) == 'wire')}"
+
+
+def test_the_module_level_import_graph_has_no_cycle():
+    g = graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def walk(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(g[m]):
+            if state.get(d) == 1:
+                cycles.append(path[path.index(d):] + [d] if d in path else [m, d])
+            elif d not in state:
+                walk(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            walk(m, [m])
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
