@@ -353,7 +353,7 @@ class SessionRun:
                     self.coord.target_pool.mark_failed(rep.address, str(exc))
 
         async with asyncio.TaskGroup() as tg:
-            # auto loads the draft only while drafting is the faster way (a step loads it when needed)
+            # auto loads the draft beside the target only once drafting measured faster (else a step loads it)
             wanted = self.method == "draft" or (self.method in DRAFT_METHODS and not self._seeded
                                                 and self.coord.step_rates.wants_draft())
             if wanted and (rep := self.coord.draft_pool.pick(self.session_id)) is not None:

@@ -54,8 +54,12 @@ class StepRates:
         return min((LOCAL, DRAFT), key=rates.__getitem__) if len(rates) == 2 else None
 
     def wants_draft(self) -> bool:
-        """Whether the draft is worth loading a new session into now (unmeasured, or faster)."""
-        return DRAFT not in self._sums or self.faster() == DRAFT
+        """Whether a new session is worth loading into the draft at its start, beside the target's
+        prefill: only once drafting has measured the faster way. Before that, the step that first
+        drafts loads it (a step not recorded, see skipped), so on a machine that draft and target
+        share, the draft's prefill never runs beside the target's (measured: llama.cpp on 2
+        threads slowed down many times while another process kept a core busy)."""
+        return self.faster() == DRAFT
 
     def choose(self, draft_available: bool) -> str:
         """The way to take the next step (LOCAL whenever no draft is available)."""

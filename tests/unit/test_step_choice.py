@@ -42,11 +42,13 @@ def test_a_way_that_becomes_faster_is_taken_again():
     assert rates.faster() == DRAFT and later[-50:].count(DRAFT) > 45
 
 
-def test_the_draft_is_loaded_into_new_sessions_only_while_it_can_be_the_faster_way():
+def test_the_draft_is_loaded_into_new_sessions_only_while_it_is_the_faster_way():
     rates = StepRates()
-    assert rates.wants_draft()  # not measured yet
+    assert not rates.wants_draft()  # not measured yet: the first drafted step loads it
     _drive(rates, {LOCAL: 0.010, DRAFT: 0.025}, 5)
     assert not rates.wants_draft()
+    _drive(rates, {LOCAL: 0.040, DRAFT: 0.010}, 200)
+    assert rates.wants_draft()
 
 
 def test_bad_settings_are_refused():
