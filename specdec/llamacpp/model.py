@@ -365,6 +365,8 @@ class LlamaCppLM:
         if batch != cache.batch_size:
             raise ValueError(f"input rows {batch} != cache rows {cache.batch_size}")
         cache.settle()
+        if q == 1 and input_valid is None and logits_at is None and (depth is None or not depth.any()):
+            return self._step(cache, input_ids, want_hidden)  # (a one-token block is a chain)
         cols = list(range(q)) if logits_at is None else [int(c) for c in logits_at.tolist()]
         want = set(cols)
         items: list[_Input] = []
@@ -386,6 +388,19 @@ class LlamaCppLM:
                     if hidden is not None:
                         hidden[b, i] = state
         return ForwardOutput(logits=logits, hidden=hidden)
+
+    def _step(self, cache: LlamaCppCache, input_ids: torch.Tensor, want_hidden: bool) -> ForwardOutput:
+        """forward for one token per row (a decoding step): the same llama_decode calls, without
+        the bookkeeping of blocks."""
+        logits, hidden = [], []
+        for b, token in enumerate(input_ids[:, 0].tolist()):
+            cache.pending[b] = [0]
+            [(values, state)] = cache.decode([_Input(b, 0, token, cache.length[b], True)], self.vocab_size,
+                                             self.hidden_size if want_hidden else 0).values()
+            logits.append(values)
+            hidden.append(state)
+        return ForwardOutput(logits=torch.stack(logits)[:, None],
+                             hidden=torch.stack(hidden)[:, None] if want_hidden else None)
 
     @torch.inference_mode()
     def prefill(self, cache: LlamaCppCache, prompts: Sequence[Sequence[int]],
