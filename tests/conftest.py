@@ -76,3 +76,16 @@ def assert_greedy_equal(lm: CausalLM, prompt: Sequence[int], got: Sequence[int],
     assert gap < tolerance, (
         f"speculative output diverges at generated token {j}: {got[j]} vs {want[j]} "
         f"(plain top-two logit gap {gap:.3g} is not a tie)")
+
+
+def check_greedy(target, proposer, prompts, stop, k):
+    """speculative_generate with this proposer equals plain decoding on every prompt (tie-aware),
+    and stops for the same reason -> its results."""
+    from specdec.decode import plain_generate, speculative_generate
+
+    want = [plain_generate(target, [p], stop=stop)[0] for p in prompts]
+    got = speculative_generate(target, proposer, prompts, stop=stop, k=k)
+    for p, g, w in zip(prompts, got, want):
+        assert_greedy_equal(target, p, g.token_ids, w.token_ids)
+        assert g.finish_reason == w.finish_reason
+    return got

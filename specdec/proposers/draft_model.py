@@ -20,7 +20,7 @@ from specdec.kv_stack import split_cache, stack_caches
 from specdec.lm import CausalLM
 from specdec.proposers.base import Proposer, ProposerEnv, ProposerFactory, register
 from specdec.sampling import logits_to_probs, sample_rows
-from specdec.types import Proposal, ProposeContext
+from specdec.types import Proposal, ProposeContext, SamplingParams
 from specdec.verify import common_prefix_len, load_committed
 
 
@@ -80,6 +80,26 @@ class DraftRows:
             row.append(int(t))
 
 
+def draft_chain(logits: torch.Tensor, feed: Callable[[torch.Tensor], torch.Tensor], k_max: int,
+                sampling: SamplingParams, generators: Optional[Sequence[torch.Generator]]
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """k_max >= 1 tokens per row, one at a time: from logits [rows, vocab] a token per row (argmax,
+    or sampled from each row's generator), then feed(tokens [rows]) -> the next logits. -> (tokens
+    [rows, k_max], the distributions they were sampled from [rows, k_max, vocab], None when greedy)."""
+    drafted, probs = [], []
+    for step in range(k_max):
+        if sampling.greedy:
+            tok = logits.argmax(-1)  # [rows]
+        else:
+            p = logits_to_probs(logits, sampling)  # [rows, vocab]
+            tok = sample_rows(p, generators)  # [rows]
+            probs.append(p)
+        drafted.append(tok)
+        if step + 1 < k_max:
+            logits = feed(tok)
+    return torch.stack(drafted, 1), torch.stack(probs, 1) if probs else None
+
+
 class DraftModelProposer(Proposer):
     name = "draft"
 
@@ -100,20 +120,11 @@ class DraftModelProposer(Proposer):
         # 1. Roll each row back to what it shares with the committed tokens; feed the rest.
         logits = self.rows.catch_up(self.draft, ctx.token_ids)  # [batch, vocab]
         # 2. Draft k_max tokens for every row; rows that asked for fewer get a prefix.
-        drafted, probs = [], []
-        for step in range(k_max):
-            if ctx.sampling.greedy:
-                tok = logits.argmax(-1)  # [batch]
-            else:
-                p = logits_to_probs(logits, ctx.sampling)  # [batch, vocab]
-                tok = sample_rows(p, ctx.generators)  # [batch]
-                probs.append(p)
-            drafted.append(tok)
-            if step + 1 < k_max:
-                logits = self.draft.forward(self.rows.cache, tok[:, None]).logits[:, -1]
-                self.rows.append(tok.tolist())
-        tokens = torch.stack(drafted, 1)  # [batch, k_max]
-        draft_probs = torch.stack(probs, 1) if probs else None  # [batch, k_max, vocab]
+        def feed(tok: torch.Tensor) -> torch.Tensor:
+            self.rows.append(tok.tolist())
+            return self.draft.forward(self.rows.cache, tok[:, None]).logits[:, -1]
+
+        tokens, draft_probs = draft_chain(logits, feed, k_max, ctx.sampling, ctx.generators)
         return [
             Proposal(token_ids=tuple(tokens[b, :k].tolist()),
                      draft_probs=None if draft_probs is None else draft_probs[b, :k])

@@ -35,8 +35,7 @@ import torch
 from specdec.eagle import EagleDraft, load_eagle, shipped_eagle_path
 from specdec.errors import FailedPrecondition, ModelLoadError
 from specdec.proposers.base import Proposer, ProposerEnv, ProposerFactory, register
-from specdec.proposers.draft_model import DraftRows
-from specdec.sampling import logits_to_probs, sample_rows
+from specdec.proposers.draft_model import DraftRows, draft_chain
 from specdec.types import Proposal, ProposeContext
 from specdec.verify import common_prefix_len
 
@@ -106,23 +105,17 @@ class EagleProposer(Proposer):
         # 1. Roll back to the true pairs; feed the new ones (every row, even one drafting nothing now).
         feature = self.catch_up(ctx)  # [rows, H]
         k_max = max(ctx.k, default=0)
-        # 2. Draft k_max tokens for every row, each from the draft's own predicted feature.
-        drafted, probs = [], []
-        for step in range(k_max):
-            logits = self.draft.logits(feature)  # [rows, vocab]
-            if ctx.sampling.greedy:
-                tok = logits.argmax(-1)  # [rows]
-            else:
-                p = logits_to_probs(logits, ctx.sampling)  # [rows, vocab]
-                tok = sample_rows(p, ctx.generators)  # [rows]
-                probs.append(p)
-            drafted.append(tok)
-            if step + 1 < k_max:
-                feature = self.draft.extend(self.rows.cache, feature[:, None], tok[:, None])[:, 0]
-        if not drafted:
+        if k_max == 0:
             return [Proposal() for _ in ctx.row_ids]
-        tokens = torch.stack(drafted, 1).cpu()  # [rows, k_max]
-        draft_probs = torch.stack(probs, 1) if probs else None  # [rows, k_max, vocab]
+        # 2. Draft k_max tokens for every row, each from the draft's own predicted feature.
+        predicted = [feature]
+
+        def feed(tok: torch.Tensor) -> torch.Tensor:
+            predicted[0] = self.draft.extend(self.rows.cache, predicted[0][:, None], tok[:, None])[:, 0]
+            return self.draft.logits(predicted[0])
+
+        tokens, draft_probs = draft_chain(self.draft.logits(feature), feed, k_max, ctx.sampling, ctx.generators)
+        tokens = tokens.cpu()  # [rows, k_max]
         return [Proposal(token_ids=tuple(tokens[b, :k].tolist()),
                          draft_probs=None if draft_probs is None or k == 0 else draft_probs[b, :k])
                 for b, k in enumerate(ctx.k)]

@@ -20,7 +20,7 @@ from specdec.proposers.eagle import feature_start
 from specdec.training.eagle import EagleRecipe, make_batch, train_eagle, unroll_mask, unrolled_outputs
 from specdec.training.selfdistill import write_part
 from specdec.types import SamplingParams, StopConditions
-from tests.conftest import assert_greedy_equal, gguf_copy
+from tests.conftest import check_greedy, assert_greedy_equal, gguf_copy
 from tests.unit.test_sampling_e2e import PROMPT, ROWS, VOCAB, _assert_fits, _histogram, _joint_probs
 
 PROMPTS = [[5, 17, 33, 2, 40], [9, 9], [60, 12, 7, 88, 3, 21, 45, 50, 11]]
@@ -67,13 +67,6 @@ def targets(tiny_target, fast_target, gguf_target):
     return {"hf": tiny_target, "fast": fast_target, "llamacpp": gguf_target}
 
 
-def _check_greedy(target, proposer, prompts, stop, k):
-    want = [plain_generate(target, [p], stop=stop)[0] for p in prompts]
-    got = speculative_generate(target, proposer, prompts, stop=stop, k=k)
-    for p, g, w in zip(prompts, got, want):
-        assert_greedy_equal(target, p, g.token_ids, w.token_ids)
-        assert g.finish_reason == w.finish_reason
-    return got
 
 
 # --- greedy: lossless ---------------------------------------------------------------------------
@@ -86,7 +79,7 @@ def test_eagle_greedy_equals_plain(tiny_target, targets, trained_dir, backend, t
     target = targets[backend]
     draft = (load_eagle(trained_dir, target, target_name=tiny_target.name) if trained
              else build_eagle(tiny_target, torch.arange(0, 96, 2)))
-    got = _check_greedy(target, EagleProposer(draft), PROMPTS, StopConditions(max_new_tokens=25), k)
+    got = check_greedy(target, EagleProposer(draft), PROMPTS, StopConditions(max_new_tokens=25), k)
     assert all(len(g.token_ids) == 25 for g in got)
     if trained:  # the trained draft is right often enough that accepted paths are exercised
         assert sum(g.stats.accepted for g in got) > 0
@@ -95,7 +88,7 @@ def test_eagle_greedy_equals_plain(tiny_target, targets, trained_dir, backend, t
 def test_eagle_stops_inside_a_drafted_block_like_plain(tiny_target, trained_dir):
     free = plain_generate(tiny_target, [PROMPTS[0]], stop=StopConditions(max_new_tokens=30))[0].token_ids
     stop = StopConditions(max_new_tokens=30, eos_token_ids=(free[11],))
-    got = _check_greedy(tiny_target, EagleProposer(load_eagle(trained_dir, tiny_target)), PROMPTS, stop, k=6)
+    got = check_greedy(tiny_target, EagleProposer(load_eagle(trained_dir, tiny_target)), PROMPTS, stop, k=6)
     assert got[0].finish_reason == "stop" and len(got[0].token_ids) <= 12
 
 

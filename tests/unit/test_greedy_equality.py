@@ -6,7 +6,7 @@ import pytest
 from specdec.decode import KSchedule, plain_generate, speculative_generate
 from specdec.proposers import DraftModelProposer, PromptLookupProposer
 from specdec.types import StopConditions
-from tests.conftest import assert_greedy_equal
+from tests.conftest import check_greedy, assert_greedy_equal
 
 PROMPTS = [[5, 17, 33, 2, 40], [9, 9], [60, 12, 7, 88, 3, 21, 45, 50, 11]]
 
@@ -15,20 +15,13 @@ def _proposer(name, draft):
     return DraftModelProposer(draft) if name == "draft_model" else PromptLookupProposer()
 
 
-def _check(target, proposer, prompts, stop, k):
-    want = [plain_generate(target, [p], stop=stop)[0] for p in prompts]
-    got = speculative_generate(target, proposer, prompts, stop=stop, k=k)
-    for p, g, w in zip(prompts, got, want):
-        assert_greedy_equal(target, p, g.token_ids, w.token_ids)
-        assert g.finish_reason == w.finish_reason
-    return got
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("name", ["draft_model", "prompt_lookup"])
 def test_speculative_equals_plain(tiny_target, tiny_draft, name, k, batch):
-    got = _check(tiny_target, _proposer(name, tiny_draft), PROMPTS[:batch], StopConditions(max_new_tokens=29), k)
+    got = check_greedy(tiny_target, _proposer(name, tiny_draft), PROMPTS[:batch], StopConditions(max_new_tokens=29), k)
     assert all(len(g.token_ids) == 29 for g in got)
 
 
@@ -38,23 +31,23 @@ def test_eos_inside_a_drafted_block_stops_like_plain(tiny_target, tiny_draft, na
     free = [plain_generate(tiny_target, [p], stop=StopConditions(max_new_tokens=30))[0].token_ids for p in PROMPTS]
     eos = free[0][11]
     stop = StopConditions(max_new_tokens=30, eos_token_ids=(eos,))
-    got = _check(tiny_target, _proposer(name, tiny_draft), PROMPTS, stop, k=8)
+    got = check_greedy(tiny_target, _proposer(name, tiny_draft), PROMPTS, stop, k=8)
     assert got[0].finish_reason == "stop" and got[0].token_ids[-1] == eos
     assert len(got[0].token_ids) <= 12
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 7, 13])
 def test_max_new_tokens_inside_a_block(tiny_target, tiny_draft, max_new):
-    got = _check(tiny_target, DraftModelProposer(tiny_draft), PROMPTS, StopConditions(max_new_tokens=max_new), k=5)
+    got = check_greedy(tiny_target, DraftModelProposer(tiny_draft), PROMPTS, StopConditions(max_new_tokens=max_new), k=5)
     assert [len(g.token_ids) for g in got] == [max_new] * 3
 
 
 def test_adaptive_k_keeps_output_and_grows_on_acceptance(tiny_target, tiny_draft):
     schedule = KSchedule(k=2, adaptive=True, k_max=12)
-    _check(tiny_target, DraftModelProposer(tiny_draft), PROMPTS, StopConditions(max_new_tokens=40), schedule)
+    check_greedy(tiny_target, DraftModelProposer(tiny_draft), PROMPTS, StopConditions(max_new_tokens=40), schedule)
     # A perfect draft (the target itself) is always fully accepted: k must grow past its start of 2,
     # which caps tau at 3 without adaptation.
-    got = _check(tiny_target, DraftModelProposer(tiny_target), PROMPTS, StopConditions(max_new_tokens=40), schedule)
+    got = check_greedy(tiny_target, DraftModelProposer(tiny_target), PROMPTS, StopConditions(max_new_tokens=40), schedule)
     assert min(g.stats.tau for g in got) > 3.0
 
 
@@ -67,14 +60,14 @@ def test_cost_aware_k_keeps_output_and_follows_the_acceptance_rate(tiny_target, 
     assert schedule.next(1, 1, 1, hits=60, trials=60) > 2  # a draft that is always right earns a longer block
     # a draft that is never right: plain steps (k = 0), with a one-token probe every 8th step
     assert [schedule.next(4, 4, 0, hits=0, trials=20, step=t) for t in (3, 8, 9)] == [0, 1, 0]
-    _check(tiny_target, DraftModelProposer(tiny_draft), PROMPTS, StopConditions(max_new_tokens=40), schedule)
-    got = _check(tiny_target, DraftModelProposer(tiny_target), PROMPTS, StopConditions(max_new_tokens=40), schedule)
+    check_greedy(tiny_target, DraftModelProposer(tiny_draft), PROMPTS, StopConditions(max_new_tokens=40), schedule)
+    got = check_greedy(tiny_target, DraftModelProposer(tiny_target), PROMPTS, StopConditions(max_new_tokens=40), schedule)
     assert min(g.stats.tau for g in got) > 2.5  # k grew with the (perfect) acceptance
     # a draft that disagrees with the target on most tokens: it stops drafting, output unchanged
     from specdec.models import perturbed_copy
 
     bad = perturbed_copy(tiny_target, noise=3.0, seed=7)
-    got = _check(tiny_target, DraftModelProposer(bad), PROMPTS, StopConditions(max_new_tokens=40),
+    got = check_greedy(tiny_target, DraftModelProposer(bad), PROMPTS, StopConditions(max_new_tokens=40),
                  KSchedule.cost_aware(CPU_LIKE_COST, draft_cost=0.3))
     assert all(g.stats.drafted < (g.stats.target_forwards - 1) / 2 for g in got)
     flat = KSchedule.cost_aware({1: 1.0, 65: 1.0}, draft_cost=0.0)
