@@ -11,8 +11,10 @@ longest cached prefix of its tokens.
   hand out the wrong KV).
 - Bounded by `budget_bytes` (the snapshots' own sizes), least recently used evicted first; an
   entry larger than the whole budget is not kept.
-- Reuse granularity is one block: a prefix shorter than BLOCK tokens, or the tail of a prefix
-  past its last full block, is prefilled again.
+- Found by blocks, reused to the token: an entry that holds a block-aligned prefix also gives the
+  tokens after it that it shares with the request (a conversation's next turn differs from the
+  last one's tokens a few tokens into its answer, where the chat template closes it); a request
+  that shares less than one block with every entry is prefilled whole.
 
 Exactness: a restored prefix holds the very keys and values an earlier forward computed, so the
 logits after it equal those after a fresh prefill wherever the backend's arithmetic does not
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from specdec.sessions import extend_digest, token_digest
+from specdec.verify import common_prefix_len
 
 BLOCK = 16
 
@@ -79,19 +82,33 @@ class PrefixCache:
         limit = len(tokens) if at_most is None else min(at_most, len(tokens))
         self.stats.queries += limit
         for n, digest in reversed(block_digests(tokens[:limit], self.block)):
-            eid = self._holder(digest, tokens[:n])
-            if eid is not None:
+            found = self._longest_holder(digest, tokens[:n], tokens[:limit])
+            if found is not None:
+                eid, n = found
                 self._entries.move_to_end(eid)
                 self.stats.hits += n
                 return n, self._entries[eid].snapshot
         return 0, None
 
+    def _holders(self, digest: int, prefix: Sequence[int]) -> list[int]:
+        """The entries whose tokens start with `prefix` (whose chain digest is `digest`), newest first."""
+        return [eid for eid in reversed(self._index.get(digest, ()))
+                if self._entries[eid].tokens[:len(prefix)] == tuple(prefix)]
+
     def _holder(self, digest: int, prefix: Sequence[int]) -> Optional[int]:
-        """The newest entry whose tokens start with `prefix` (whose chain digest is `digest`)."""
-        for eid in reversed(self._index.get(digest, ())):
-            if self._entries[eid].tokens[:len(prefix)] == tuple(prefix):
-                return eid
-        return None
+        """The newest entry holding `prefix`."""
+        return next(iter(self._holders(digest, prefix)), None)
+
+    def _longest_holder(self, digest: int, prefix: Sequence[int], tokens: Sequence[int]) -> Optional[tuple[int, int]]:
+        """Of the entries holding the block-aligned `prefix`, the one sharing the most of `tokens`
+        (the newest of equals) -> (its id, how many tokens it shares: the block-aligned prefix and
+        as many of the tokens after it as it holds too, so reuse is exact to the token)."""
+        best = None
+        for eid in self._holders(digest, prefix):
+            shared = common_prefix_len(self._entries[eid].tokens, tokens)
+            if best is None or shared > best[1]:
+                best = (eid, shared)
+        return best
 
     def covers(self, tokens: Sequence[int]) -> bool:
         """Whether every block-aligned prefix of tokens is found already (nothing to insert)."""

@@ -17,11 +17,14 @@ def test_the_longest_cached_block_aligned_prefix_is_found():
     assert cache.insert(PROMPT[:12], "a", 10)
     assert cache.insert(PROMPT[:8] + [1, 1, 1, 1, 1], "b", 10)  # shares 8 tokens with "a"
     assert cache.lookup(PROMPT) == (12, "a")
-    assert cache.lookup(PROMPT[:10]) == (8, "b")  # both hold 8 of them: the newest answers
-    assert cache.lookup(PROMPT, at_most=11) == (8, "b")
+    # both hold the first block-aligned 8; "a" holds 2 more of these 10: reuse is exact to the token
+    assert cache.lookup(PROMPT[:10]) == (10, "a")
+    assert cache.lookup(PROMPT, at_most=11) == (11, "a")
+    assert cache.lookup(PROMPT[:8] + [1, 1, 7]) == (10, "b")  # "b" shares 10 of these
+    assert cache.lookup(PROMPT[:8] + [50]) == (8, "b")  # equals: the newest answers
     assert cache.lookup([99] + PROMPT) == (0, None)
     assert cache.lookup(PROMPT[:3]) == (0, None)  # shorter than a block
-    assert cache.stats.hits == 12 + 8 + 8
+    assert cache.stats.hits == 12 + 10 + 11 + 10 + 8
 
 
 def test_entries_already_covered_too_short_or_too_large_are_not_kept():
@@ -122,7 +125,7 @@ def test_the_engine_reuses_earlier_prompts_and_answers_and_its_output_stays_plai
     _, shared = generate(PROMPT[:40] + [5, 6, 7])
     turn2 = PROMPT + first + [8, 9, 10]
     _, turn = generate(turn2)
-    assert cold == 0 and shared == 32  # the first call's prompt, in whole 16-token blocks
+    assert cold == 0 and shared == 40  # all it shares with the first call's prompt (found by blocks, reused to the token)
     assert turn >= 16 * ((len(PROMPT) + len(first) - 1) // 16), "the next turn did not reuse the first turn's answer"
     assert 0 < engine.prefix_cache.bytes_held <= 8 << 20
 
