@@ -343,6 +343,12 @@ class SessionRun:
             except SpecdecError as exc:
                 self._draft_failed(rep, exc)
 
+        async def fits(rep) -> None:
+            try:
+                await self.coord.draft_fits(rep)
+            except SpecdecError as exc:
+                self._draft_failed(rep, exc)
+
         async def target(rep) -> None:
             try:
                 await rep.client.prefill(self.session_id, committed)
@@ -356,8 +362,8 @@ class SessionRun:
             # auto loads the draft beside the target only once drafting measured faster (else a step loads it)
             wanted = self.method == "draft" or (self.method in DRAFT_METHODS and not self._seeded
                                                 and self.coord.step_rates.wants_draft())
-            if wanted and (rep := self.coord.draft_pool.pick(self.session_id)) is not None:
-                tg.create_task(draft(rep))
+            if self.method in DRAFT_METHODS and (rep := self.coord.draft_pool.pick(self.session_id)) is not None:
+                tg.create_task(draft(rep) if wanted else fits(rep))  # (a misfit is refused at once either way)
             if (rep := self._pick_target()) is not None:
                 tg.create_task(target(rep))
 
