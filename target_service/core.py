@@ -126,7 +126,7 @@ class TargetCore:
         self._local_method: Optional[str] = None
         # KV of prompts and finished sessions, reused by later sessions that start the same way
         self.prefix_cache: Optional[PrefixCache] = None
-        if settings.prefix_cache_mb > 0 and hasattr(target, "snapshot_prefix"):
+        if settings.prefix_cache_mb > 0:  # (every backend snapshots and restores a prefix)
             self.prefix_cache = PrefixCache(settings.prefix_cache_mb << 20, on_change=self._prefix_cache_changed)
             log.info("prefix cache: up to %d MiB of KV, blocks of %d tokens", settings.prefix_cache_mb,
                      self.prefix_cache.block)

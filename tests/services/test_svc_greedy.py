@@ -142,7 +142,9 @@ def test_auto_takes_the_way_that_costs_less_per_token_and_equals_plain(redis_url
     prompts = [p for p in PROMPTS for _ in range(2)]
 
     async def scenario():
-        async with local_stack(redis_url, target, draft) as st:
+        # The target alone decodes plainly (no prompt lookup on it): what it costs then depends on the
+        # delay alone, not on how well lookup happens to do on the tiny model's repetitive output.
+        async with local_stack(redis_url, target, draft, methods={}) as st:
             outs, proposes = [], []
             for p in prompts:  # one after another: each sees what the earlier ones measured
                 outs.append(await st.client.generate(st.client.request(token_ids=p, max_tokens=48, method="auto")))
