@@ -273,7 +273,7 @@ class SessionRun:
                 if draft is not None and chunk == self.coord.settings.decode_chunk:  # (short first chunks: not typical)
                     rates.record(LOCAL, time.perf_counter() - t, len(emitted))
                 elif draft is not None:
-                    rates.skipped(LOCAL)
+                    rates.skipped(LOCAL, time.perf_counter() - t)
                 return emitted
             if draft is not None:
                 warm = draft.address == self.draft_addr
@@ -288,7 +288,7 @@ class SessionRun:
                     if warm and k == self.k:  # (a short last block, or one that loads the draft: not typical)
                         rates.record(DRAFT, time.perf_counter() - t, len(verdict.emitted))
                     else:
-                        rates.skipped(DRAFT)
+                        rates.skipped(DRAFT, time.perf_counter() - t)
                     return verdict.emitted
             return await self._decode("", min(remaining, self.coord.settings.fallback_chunk), fallback=True)
         return await self._decode("" if self.method == "target" else self.method, min(remaining, self._local_chunk()),

@@ -10,7 +10,10 @@ cost next to the target's (c), the target's verify cost v(k), the wire, and how 
 share the machines. So `auto` does not predict it: it measures it. `StepRates` keeps, per way,
 exponentially weighted means of a step's seconds and of its emitted tokens, as the coordinator's
 sessions see them end to end, and picks the way whose ratio (seconds per token) is lower. The slower way is tried again now and then (one step),
-each time it loses twice as rarely (16, 32, ... up to 512 decisions), so conditions that change
+each time it loses twice as rarely (16, 32, ... up to 512 decisions), and never before the
+faster way has run 1 / max_share times as long as the last exploration took (5%: measured, one
+exploration of a torch draft beside a llama.cpp target cost ~0.2 s, a fifth of a short request,
+and came every 2-3 requests by the count of decisions alone). So conditions that change
 (another prompt mix, a loaded draft) are noticed while a way that keeps losing costs almost
 nothing. Both ways are lossless, so a choice changes speed, never the output.
 
@@ -32,15 +35,19 @@ class StepRates:
     weight: float = 0.25  # of the newest observation in the running mean
     explore_after: int = 16  # decisions before the slower way is tried again (the first time)
     max_explore_after: int = 512
+    max_share: float = 0.05  # of the time, at most, that explorations take
     _since: int = 0  # decisions since the slower way was last tried
     _gap: int = 0  # the current interval between tries of the slower way
     _exploring: Optional[str] = None  # the way tried for exploration, until its step is recorded
     _retried: bool = False  # the exploration's first step was not typical (skipped): tried once more
     _sums: dict[str, tuple[float, float]] = field(default_factory=dict)  # way -> running (seconds, tokens) a step
+    _spent_s: float = 0.0  # seconds of the steps taken since the last exploration ended
+    _explore_s: float = 0.0  # seconds of the open exploration's steps so far
+    _last_explore_s: float = 0.0  # seconds the last exploration took
 
     def __post_init__(self) -> None:
-        if not 0 < self.weight <= 1 or self.explore_after < 1:
-            raise ValueError("weight must be in (0, 1] and explore_after >= 1")
+        if not 0 < self.weight <= 1 or self.explore_after < 1 or not 0 < self.max_share <= 1:
+            raise ValueError("weight and max_share must be in (0, 1] and explore_after >= 1")
         self._gap = self.explore_after
 
     @property
@@ -72,28 +79,50 @@ class StepRates:
         self._since += 1
         if self._exploring is not None and self._retried:  # its first step said nothing: once more
             return self._exploring
-        if self._since >= self._gap and self._exploring is None:
+        if (self._since >= self._gap and self._exploring is None
+                and self._spent_s * self.max_share >= self._last_explore_s):
             self._since = 0
             self._exploring = DRAFT if best == LOCAL else LOCAL
             return self._exploring
         return best
 
-    def skipped(self, way: str) -> None:
+    def skipped(self, way: str, seconds: float = 0.0) -> None:
         """A step taken `way` that says nothing of its usual cost (the one that loads a session
-        into the draft, a short last block): not recorded. An exploration's step that was skipped
-        is taken once more (the next one finds the draft loaded), and then given up until the
-        next exploration, so an exploration never stays open for good."""
+        into the draft, a short last block): not recorded, but its seconds count toward the time
+        explorations take. An exploration's step that was skipped is taken once more (the next
+        one finds the draft loaded), and then given up until the next exploration, so an
+        exploration never stays open for good."""
         if way != self._exploring:
+            if self._second_measured(way):
+                self._explore_s += max(seconds, 0.0)
+            else:
+                self._spent_s += max(seconds, 0.0)
             return
+        self._explore_s += max(seconds, 0.0)
         if self._retried:
-            self._exploring, self._retried, self._since = None, False, 0
+            self._end_exploration()
+            self._since = 0
         else:
             self._retried = True
+
+    def _second_measured(self, way: str) -> bool:
+        """Whether a step taken `way` is the first measurement of the second way: it costs what an
+        exploration costs (the draft loaded, say), and the first exploration waits for its share."""
+        return len(self._sums) == 1 and way not in self._sums
+
+    def _end_exploration(self) -> None:
+        self._exploring, self._retried = None, False
+        self._last_explore_s, self._explore_s, self._spent_s = self._explore_s, 0.0, 0.0
 
     def record(self, way: str, seconds: float, emitted: int) -> None:
         """A step taken `way` emitted `emitted` tokens in `seconds` (end to end)."""
         if emitted <= 0 or seconds < 0:
             return
+        first = self._second_measured(way)
+        if way == self._exploring or first:
+            self._explore_s += seconds
+        else:
+            self._spent_s += seconds
         # Running means of seconds and of tokens per step, and their ratio: the cost of a token
         # (a mean of per-step ratios would let one unlucky step, 1 token for a whole block, weigh
         # as much as many good ones).
@@ -101,7 +130,9 @@ class StepRates:
         w = self.weight
         self._sums[way] = (seconds, emitted) if old is None else ((1 - w) * old[0] + w * seconds,
                                                                   (1 - w) * old[1] + w * emitted)
+        if first:
+            self._last_explore_s, self._explore_s, self._spent_s = self._explore_s, 0.0, 0.0
         if way == self._exploring:
-            self._exploring, self._retried = None, False
+            self._end_exploration()
             still_slower = self.faster() != way
             self._gap = min(2 * self._gap, self.max_explore_after) if still_slower else self.explore_after

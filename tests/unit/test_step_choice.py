@@ -27,11 +27,35 @@ def test_each_way_is_measured_once_then_the_faster_is_taken():
 
 
 def test_the_slower_way_is_tried_ever_more_rarely_while_it_keeps_losing():
-    taken = _drive(StepRates(explore_after=16, max_explore_after=128), {LOCAL: 0.025, DRAFT: 0.010}, 600)
+    taken = _drive(StepRates(explore_after=16, max_explore_after=128, max_share=1.0), {LOCAL: 0.025, DRAFT: 0.010},
+                   600)
     tries = [i for i, way in enumerate(taken) if way == LOCAL][1:]  # after its first measurement
     gaps = [b - a for a, b in zip(tries, tries[1:])]
     assert gaps[:3] == [32, 64, 128] and set(gaps[3:]) == {128}
     assert taken.count(DRAFT) / len(taken) > 0.97  # exploring costs ~1 step in 128
+
+
+def test_explorations_take_at_most_their_share_of_the_time():
+    """A slower way whose steps cost far more than the faster way's (a draft that must be loaded,
+    a long block) is tried only once the faster way has run 1 / max_share times as long."""
+    rates = StepRates(explore_after=4, max_explore_after=4, max_share=0.05)
+    cost = {LOCAL: 0.010, DRAFT: 0.100}  # seconds per token: a DRAFT step costs 10 LOCAL steps
+    taken = _drive(rates, cost, 2000)
+    seconds = {way: 8 * cost[way] * taken.count(way) for way in cost}
+    assert taken.count(DRAFT) >= 3  # still tried again and again
+    assert seconds[DRAFT] <= 0.06 * (seconds[LOCAL] + seconds[DRAFT])
+    # skipped steps (the one that loads the draft) count as well
+    rates = StepRates(explore_after=1, max_explore_after=1, max_share=0.05)
+    _drive(rates, cost, 2)
+    skipped = local = 0
+    for _ in range(2000):
+        if rates.choose(draft_available=True) == DRAFT:
+            rates.skipped(DRAFT, 1.0)  # 1 s each, never typical
+            skipped += 1
+        else:
+            rates.record(LOCAL, 0.08, 8)
+            local += 1
+    assert skipped >= 4 and 1.0 * skipped <= 0.06 * (0.08 * local + 1.0 * skipped)
 
 
 def test_a_way_that_becomes_faster_is_taken_again():
@@ -61,7 +85,7 @@ def test_bad_settings_are_refused():
 def test_an_exploration_whose_step_was_not_typical_is_taken_once_more_then_given_up():
     """The step that loads a session into the draft is not recorded; the exploration takes the
     next one (warm), and an exploration that never gets a typical step does not stay open."""
-    rates = StepRates(explore_after=4, max_explore_after=4)
+    rates = StepRates(explore_after=4, max_explore_after=4, max_share=1.0)
     _drive(rates, {LOCAL: 0.010, DRAFT: 0.025}, 2)  # both measured: LOCAL faster
     ways = []
     for _ in range(4):
