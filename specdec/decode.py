@@ -239,15 +239,20 @@ def plain_generate(
     gens = _row_generators(sampling.seed, len(prompts))
     rows = [RowProgress(StopChecker(stop, detokenize), prompt=tuple(p)) for p in prompts]
     cache, first = _prefill(target, prompts, prefix_cache)
-    logits = first.logits  # [batch, vocab]
+    # One greedy row on a target with greedy_step (llama.cpp): a step without the logits copied out
+    greedy_step = getattr(target, "greedy_step", None) if sampling.greedy and len(prompts) == 1 else None
+    nxt = [next_token(row_logits, sampling, gens[b]) for b, row_logits in enumerate(first.logits)]
     active = list(range(len(prompts)))  # row index of each cache row
     while active:
-        for i, b in enumerate(active):
-            _record_token(rows, b, next_token(logits[i], sampling, gens[b]), on_emit)
+        for b, token in zip(active, nxt):
+            _record_token(rows, b, token, on_emit)
         active = _drop_finished(cache, active, rows, t0)
-        if active:
+        if active and greedy_step is not None:
+            nxt = [greedy_step(cache, rows[active[0]].last_token)]
+        elif active:
             last = torch.tensor([rows[b].last_token for b in active])  # [rows]
             logits = target.forward(cache, last[:, None]).logits[:, -1]  # [rows, vocab]
+            nxt = [next_token(logits[i], sampling, gens[b]) for i, b in enumerate(active)]
     _keep_finished(prefix_cache, target, cache, rows)
     return _finish(rows)
 

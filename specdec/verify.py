@@ -145,6 +145,11 @@ def _plain_step(target: CausalLM, cache: KVCache, rows: Sequence[RowStep], want_
                 want_features: bool) -> list[StepOutcome]:
     """verify_step when no row drafted anything: one token per row, fed as a plain decoding step
     (no block mask or depths to build), its next token as the acceptance rule would pick it."""
+    greedy_step = _greedy_step(target, rows, want_hidden or want_features)
+    if greedy_step is not None:
+        [row] = rows
+        return [StepOutcome(Verdict(row_id=row.row_id, num_drafted=0, num_accepted=0,
+                                    emitted=(greedy_step(cache, row.root),)), None, None)]
     ids = torch.tensor([[r.root] for r in rows], dtype=torch.long)  # [rows, 1]
     out = target.forward(cache, ids, want_hidden=want_hidden or want_features)
     outcomes = []
@@ -155,6 +160,14 @@ def _plain_step(target: CausalLM, cache: KVCache, rows: Sequence[RowStep], want_
                                     out.hidden[i, :1] if want_features else None))
     cache.keep_last(torch.ones(len(rows), 1, dtype=torch.bool))
     return outcomes
+
+
+def _greedy_step(target: CausalLM, rows: Sequence[RowStep], want_states: bool):
+    """The target's greedy_step(cache, token) -> next token, where it has one (llama.cpp) and this
+    step is one greedy row with no hidden states asked for; else None."""
+    if len(rows) != 1 or want_states or not rows[0].sampling.greedy:
+        return None
+    return getattr(target, "greedy_step", None)
 
 
 def verify_sessions(target: CausalLM, caches: Sequence[KVCache], rows: Sequence[RowStep],

@@ -408,6 +408,26 @@ class LlamaCppLM:
         return ForwardOutput(logits=torch.stack(logits)[:, None],
                              hidden=torch.stack(hidden)[:, None] if want_hidden else None)
 
+    def greedy_step(self, cache: LlamaCppCache, token: int) -> int:
+        """Feed one token to a batch-1 cache and return its logits' argmax (the first of equal
+        maxima, as torch's): a greedy decoding step without copying the logits out. Measured in
+        the target service's Decode: ~1 ms of Python a token less than forward() + argmax, at
+        ~11 ms a token in all."""
+        if cache.batch_size != 1 or cache.pending[0]:
+            raise ValueError("greedy_step needs a settled batch-1 cache")
+        lib, batch = self.lib, cache.batch
+        batch.token[0], batch.pos[0], batch.n_seq_id[0] = token, cache.length[0], 1
+        batch.seq_id[0][0], batch.logits[0], batch.n_tokens = cache.seqs[0], 1, 1
+        if cache.embeddings:
+            lib.llama_set_embeddings(cache.ctx, False)
+            cache.embeddings = False
+        rc = lib.llama_decode(cache.ctx, batch)
+        if rc != 0:
+            why = "the row outgrew its context" if rc == 1 else f"llama_decode returned {rc}"
+            raise InvalidRequest(f"llama.cpp: {why} ({_why()})")
+        cache.length[0] += 1
+        return int(np.ctypeslib.as_array(lib.llama_get_logits_ith(cache.ctx, 0), shape=(self.vocab_size,)).argmax())
+
     @torch.inference_mode()
     def prefill(self, cache: LlamaCppCache, prompts: Sequence[Sequence[int]],
                 want_hidden: bool = False, all_hidden: bool = False) -> ForwardOutput:

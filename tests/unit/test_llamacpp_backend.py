@@ -128,3 +128,23 @@ def test_a_finished_caches_context_is_cleared_and_reused(gguf_target):
     gc.collect()
     torch.testing.assert_close(full_logits(gguf_target, PROMPTS[0]), fresh, atol=0, rtol=0)
     assert gguf_target.contexts.made == made
+
+
+def test_a_greedy_step_is_a_forward_and_its_argmax(gguf_target):
+    """greedy_step (the one-row greedy fast path of plain decoding and the target's Decode) feeds
+    the same token as forward() and leaves the cache as forward() does: the tokens it picks and
+    the logits of every later forward are forward's."""
+    prompt = PROMPTS[2]
+    fast, slow = gguf_target.new_cache(1), gguf_target.new_cache(1)
+    token = int(gguf_target.prefill(fast, [prompt]).logits[0].argmax())
+    assert int(gguf_target.prefill(slow, [prompt]).logits[0].argmax()) == token
+    a = b = token
+    for _ in range(12):
+        a = gguf_target.greedy_step(fast, a)
+        b = int(gguf_target.forward(slow, torch.tensor([[b]])).logits[0, -1].argmax())
+        slow.settle()
+        assert a == b and fast.lengths.tolist() == slow.lengths.tolist()
+    torch.testing.assert_close(gguf_target.forward(fast, torch.tensor([[a]])).logits,
+                               gguf_target.forward(slow, torch.tensor([[b]])).logits)
+    with pytest.raises(ValueError, match="batch-1"):
+        gguf_target.greedy_step(gguf_target.new_cache(2), a)
