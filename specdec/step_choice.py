@@ -9,13 +9,16 @@ Which is faster depends on everything at once: the acceptance rate on these prom
 cost next to the target's (c), the target's verify cost v(k), the wire, and how many sessions
 share the machines. So `auto` does not predict it: it measures it. `StepRates` keeps, per way,
 exponentially weighted means of a step's seconds and of its emitted tokens, as the coordinator's
-sessions see them end to end, and picks the way whose ratio (seconds per token) is lower. The slower way is tried again now and then (one step),
-each time it loses twice as rarely (16, 32, ... up to 512 decisions), and never before the
-faster way has run 1 / max_share times as long as the last exploration took (5%: measured, one
-exploration of a torch draft beside a llama.cpp target cost ~0.2 s, a fifth of a short request,
-and came every 2-3 requests by the count of decisions alone). So conditions that change
-(another prompt mix, a loaded draft) are noticed while a way that keeps losing costs almost
-nothing. Both ways are lossless, so a choice changes speed, never the output.
+sessions see them end to end, and picks the way whose ratio (seconds per token) is lower.
+
+The slower way is tried again now and then (one typical step) once the faster way has run for a
+while, counted in seconds, not steps (a step may be one token or a whole answer): at first after
+explore_after_s, each time it loses again twice as long (up to max_explore_after_s), and never
+before the faster way has run 1 / max_share times as long as the last exploration took (5%:
+measured, one exploration of a torch draft beside a llama.cpp target cost ~0.2 s, a fifth of a
+short request). So conditions that change (another prompt mix, a loaded draft) are noticed while
+a way that keeps losing costs almost nothing. Both ways are lossless, so a choice changes
+speed, never the output.
 
 Limitation: one set of rates per coordinator, shared by its sessions: a session whose prompts
 suit drafting far better than the mix (a summary that copies its document) is not told apart.
@@ -33,11 +36,10 @@ DRAFT = "draft"
 @dataclass
 class StepRates:
     weight: float = 0.25  # of the newest observation in the running mean
-    explore_after: int = 16  # decisions before the slower way is tried again (the first time)
-    max_explore_after: int = 512
+    explore_after_s: float = 2.0  # seconds of the faster way before the slower is tried again (at first)
+    max_explore_after_s: float = 120.0
     max_share: float = 0.05  # of the time, at most, that explorations take
-    _since: int = 0  # decisions since the slower way was last tried
-    _gap: int = 0  # the current interval between tries of the slower way
+    _gap_s: float = 0.0  # the current wait between tries of the slower way
     _exploring: Optional[str] = None  # the way tried for exploration, until its step is recorded
     _retried: bool = False  # the exploration's first step was not typical (skipped): tried once more
     _sums: dict[str, tuple[float, float]] = field(default_factory=dict)  # way -> running (seconds, tokens) a step
@@ -46,9 +48,9 @@ class StepRates:
     _last_explore_s: float = 0.0  # seconds the last exploration took
 
     def __post_init__(self) -> None:
-        if not 0 < self.weight <= 1 or self.explore_after < 1 or not 0 < self.max_share <= 1:
-            raise ValueError("weight and max_share must be in (0, 1] and explore_after >= 1")
-        self._gap = self.explore_after
+        if not 0 < self.weight <= 1 or self.explore_after_s <= 0 or not 0 < self.max_share <= 1:
+            raise ValueError("weight and max_share must be in (0, 1] and explore_after_s > 0")
+        self._gap_s = self.explore_after_s
 
     @property
     def seconds_per_token(self) -> dict[str, float]:
@@ -76,12 +78,9 @@ class StepRates:
             if way not in self._sums:
                 return way
         best = self.faster()
-        self._since += 1
         if self._exploring is not None and self._retried:  # its first step said nothing: once more
             return self._exploring
-        if (self._since >= self._gap and self._exploring is None
-                and self._spent_s * self.max_share >= self._last_explore_s):
-            self._since = 0
+        if self._exploring is None and self._spent_s >= max(self._gap_s, self._last_explore_s / self.max_share):
             self._exploring = DRAFT if best == LOCAL else LOCAL
             return self._exploring
         return best
@@ -101,7 +100,6 @@ class StepRates:
         self._explore_s += max(seconds, 0.0)
         if self._retried:
             self._end_exploration()
-            self._since = 0
         else:
             self._retried = True
 
@@ -135,4 +133,4 @@ class StepRates:
         if way == self._exploring:
             self._end_exploration()
             still_slower = self.faster() != way
-            self._gap = min(2 * self._gap, self.max_explore_after) if still_slower else self.explore_after
+            self._gap_s = min(2 * self._gap_s, self.max_explore_after_s) if still_slower else self.explore_after_s

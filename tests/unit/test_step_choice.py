@@ -1,5 +1,6 @@
 """The coordinator's `auto`: drafting or the target alone, whichever has cost less per emitted
-token, each measured first, the slower tried again ever more rarely while it keeps losing."""
+token, each measured first, the slower tried again ever more rarely (in seconds of the faster
+way) while it keeps losing, and never taking more than its share of the time."""
 
 import pytest
 
@@ -27,25 +28,45 @@ def test_each_way_is_measured_once_then_the_faster_is_taken():
 
 
 def test_the_slower_way_is_tried_ever_more_rarely_while_it_keeps_losing():
-    taken = _drive(StepRates(explore_after=16, max_explore_after=128, max_share=1.0), {LOCAL: 0.025, DRAFT: 0.010},
-                   600)
+    rates = StepRates(explore_after_s=1.0, max_explore_after_s=8.0, max_share=1.0)
+    taken = _drive(rates, {LOCAL: 0.025, DRAFT: 0.010}, 1500)  # a step: LOCAL 0.2 s, DRAFT 0.08 s
     tries = [i for i, way in enumerate(taken) if way == LOCAL][1:]  # after its first measurement
-    gaps = [b - a for a, b in zip(tries, tries[1:])]
-    assert gaps[:3] == [32, 64, 128] and set(gaps[3:]) == {128}
-    assert taken.count(DRAFT) / len(taken) > 0.97  # exploring costs ~1 step in 128
+    gaps = [b - a for a, b in zip(tries, tries[1:])]  # steps between tries: 1, 2, 4, 8 s of DRAFT
+    assert len(gaps) >= 6
+    for a, b in zip(gaps[:2], gaps[1:3]):
+        assert 1.8 * a <= b <= 2.2 * a
+    assert max(gaps[2:]) - min(gaps[2:]) <= 1  # then max_explore_after_s apart
+    assert taken.count(DRAFT) / len(taken) > 0.98
+
+
+def test_the_wait_is_counted_in_seconds_not_steps():
+    """A step may be a whole answer (a unary request's one Decode): the slower way is tried again
+    after as much time whether the faster way's steps are short or long."""
+    for tokens in (1, 64):
+        rates = StepRates(explore_after_s=3.0, max_share=1.0)
+        cost = {LOCAL: 0.010, DRAFT: 0.030}
+        steps = 0
+        for _ in range(5000):
+            way = rates.choose(draft_available=True)
+            rates.record(way, cost[way] * tokens, tokens)
+            steps += 1
+            if way == DRAFT and steps > 2:
+                break
+        waited = (steps - 3) * cost[LOCAL] * tokens  # LOCAL's seconds between DRAFT's measurement and its try
+        assert 3.0 - 1e-6 <= waited <= 3.0 + cost[LOCAL] * tokens + 1e-6
 
 
 def test_explorations_take_at_most_their_share_of_the_time():
     """A slower way whose steps cost far more than the faster way's (a draft that must be loaded,
     a long block) is tried only once the faster way has run 1 / max_share times as long."""
-    rates = StepRates(explore_after=4, max_explore_after=4, max_share=0.05)
+    rates = StepRates(explore_after_s=0.3, max_explore_after_s=0.3, max_share=0.05)
     cost = {LOCAL: 0.010, DRAFT: 0.100}  # seconds per token: a DRAFT step costs 10 LOCAL steps
     taken = _drive(rates, cost, 2000)
     seconds = {way: 8 * cost[way] * taken.count(way) for way in cost}
     assert taken.count(DRAFT) >= 3  # still tried again and again
     assert seconds[DRAFT] <= 0.06 * (seconds[LOCAL] + seconds[DRAFT])
     # skipped steps (the one that loads the draft) count as well
-    rates = StepRates(explore_after=1, max_explore_after=1, max_share=0.05)
+    rates = StepRates(explore_after_s=0.1, max_explore_after_s=0.1, max_share=0.05)
     _drive(rates, cost, 2)
     skipped = local = 0
     for _ in range(2000):
@@ -59,7 +80,7 @@ def test_explorations_take_at_most_their_share_of_the_time():
 
 
 def test_a_way_that_becomes_faster_is_taken_again():
-    rates = StepRates(explore_after=4)
+    rates = StepRates(explore_after_s=0.3)
     _drive(rates, {LOCAL: 0.010, DRAFT: 0.025}, 40)
     assert rates.faster() == LOCAL
     later = _drive(rates, {LOCAL: 0.040, DRAFT: 0.025}, 200)  # the target got busy
@@ -79,13 +100,15 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError):
         StepRates(weight=0)
     with pytest.raises(ValueError):
-        StepRates(explore_after=0)
+        StepRates(explore_after_s=0)
+    with pytest.raises(ValueError):
+        StepRates(max_share=0)
 
 
 def test_an_exploration_whose_step_was_not_typical_is_taken_once_more_then_given_up():
     """The step that loads a session into the draft is not recorded; the exploration takes the
     next one (warm), and an exploration that never gets a typical step does not stay open."""
-    rates = StepRates(explore_after=4, max_explore_after=4, max_share=1.0)
+    rates = StepRates(explore_after_s=0.2, max_share=1.0)
     _drive(rates, {LOCAL: 0.010, DRAFT: 0.025}, 2)  # both measured: LOCAL faster
     ways = []
     for _ in range(4):
