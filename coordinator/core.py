@@ -283,15 +283,18 @@ class Coordinator:
         stats = RunStats(**{k: v for k, v in rec.stats.items() if k in RunStats.__dataclass_fields__})
         return SessionRun(self, rec, SamplingParams(**p["sampling"]), stop, p["method"], p["k"], checker, stats)
 
-    async def open(self, req: Request) -> tuple[SessionRun, int]:
-        """-> (the session's run, the generated-token offset the client starts from)."""
+    async def open(self, req: Request, stream: bool = True) -> tuple[SessionRun, int]:
+        """-> (the session's run, the generated-token offset the client starts from). stream:
+        whether the client follows the tokens as they come (False: it waits for the whole answer)."""
         t0 = time.perf_counter()
         try:
-            return await self._open(req)
+            run, offset = await self._open(req, stream)
+            run.streamed = run.streamed or stream
+            return run, offset
         finally:
             self.metrics.step_phase.labels(phase="open").observe(time.perf_counter() - t0)
 
-    async def _open(self, req: Request) -> tuple[SessionRun, int]:
+    async def _open(self, req: Request, stream: bool) -> tuple[SessionRun, int]:
         if req.resume_from < 0:
             raise InvalidRequest(f"resume_from must be >= 0, got {req.resume_from}")
         if not self.store_ok and not await self._store_back():
@@ -321,6 +324,7 @@ class Coordinator:
             run = self.runs.get(session_id)
             if run is None:
                 run = self._run_for(rec)
+                run.streamed = stream
                 if not run.finished and rec.status != "done":
                     if sum(not r.finished for r in self.runs.values()) >= self.settings.max_active:
                         raise Overloaded(f"{self.settings.max_active} generations running: try again later")
@@ -387,7 +391,7 @@ class Coordinator:
 
     async def generate(self, req: Request) -> tuple[SessionRun, int]:
         """Unary: wait for the whole answer; -> (the finished run, the client's offset)."""
-        run, offset = await self.open(req)
+        run, offset = await self.open(req, stream=False)
         async for _ in self.follow(run, offset):
             pass
         return run, offset

@@ -135,6 +135,7 @@ class SessionRun:
     last_fully_accepted: bool = False  # the last verified block was accepted whole
     draft_refused: bool = False  # the draft refused this session's request: the target continues it alone
     _local_steps: int = 0  # Decode calls of this run on the target alone (their chunks grow: _local_chunk)
+    streamed: bool = True  # someone may stream it (False: only unary requests have asked for it so far)
     _commit: Optional[asyncio.Future] = None  # the Redis write in flight
     tokens: list[int] = field(default_factory=list)  # verified tokens: the committed ones + the write in flight
     digests: PrefixDigests = field(default_factory=PrefixDigests)  # of `tokens`, which only grows
@@ -270,7 +271,8 @@ class SessionRun:
             if way == LOCAL:
                 chunk = self._local_chunk()
                 emitted = await self._decode("auto", min(remaining, chunk), fallback=draft is None)
-                if draft is not None and chunk == self.coord.settings.decode_chunk:  # (short first chunks: not typical)
+                if draft is not None and chunk in (self.coord.settings.decode_chunk, self.coord.settings.unary_chunk):
+                    # (short first chunks: not typical)
                     rates.record(LOCAL, time.perf_counter() - t, len(emitted))
                 elif draft is not None:
                     rates.skipped(LOCAL, time.perf_counter() - t)
@@ -297,9 +299,14 @@ class SessionRun:
     def _local_chunk(self) -> int:
         """Tokens for the next Decode on the target alone: 1, 2, 4, ... up to decode_chunk, so the
         first token streams as soon as it exists and later ones travel in few round trips; never
-        fewer than the tokens generated so far (a session that drafted first takes whole chunks)."""
+        fewer than the tokens generated so far (a session that drafted first takes whole chunks).
+        A session no one streams, without stop strings (which only the coordinator checks), takes
+        unary_chunk tokens a Decode from the start: nobody sees a token before the last."""
+        settings = self.coord.settings
+        if not self.streamed and not self.stop.stop_strings:
+            return settings.unary_chunk
         self._local_steps += 1
-        return min(self.coord.settings.decode_chunk, max(1 << (self._local_steps - 1), len(self.generated)))
+        return min(settings.decode_chunk, max(1 << (self._local_steps - 1), len(self.generated)))
 
     async def _release_target(self) -> None:
         """Release the finished session on its target replica now, not after the answer is sent:

@@ -49,9 +49,9 @@ def test_missing_wrong_or_revoked_tokens_are_refused_before_any_handler_or_redis
             opened = []
             real_open = st.core.open
 
-            async def counting_open(req):  # a spy on the real handler work: counts, then does it
+            async def counting_open(req, stream=True):  # a spy on the real handler work: counts, then does it
                 opened.append(req.session_id)
-                return await real_open(req)
+                return await real_open(req, stream)
 
             st.core.open = counting_open
             r = aioredis.from_url(redis_url)

@@ -94,10 +94,12 @@ def test_a_request_the_draft_refuses_does_not_take_the_draft_from_other_sessions
 
     async def scenario():
         async with local_stack(redis_url, slow(long_target), short_draft) as st:
-            big = asyncio.create_task(st.client.generate(st.client.request(token_ids=long_prompt, max_tokens=60)))
-            while not any(s.generated for s in st.core.runs.values()):  # bounded by run()'s timeout
+            # method "draft": each session asks the draft at every step (auto might not try it at all)
+            big = asyncio.create_task(st.client.generate(st.client.request(token_ids=long_prompt, max_tokens=60,
+                                                                           method="draft")))
+            while not big.done() and not any(s.generated for s in st.core.runs.values()):  # (bounded by run())
                 await asyncio.sleep(0.01)
-            small = await st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=20))
+            small = await st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=20, method="draft"))
             return await big, small, st.core.draft_pool.live()
 
     with caplog.at_level(logging.WARNING, logger="coordinator"):

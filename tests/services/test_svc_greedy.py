@@ -164,5 +164,31 @@ def test_auto_takes_the_way_that_costs_less_per_token_and_equals_plain(redis_url
 
 def _propose_calls(metrics) -> int:
     """Steps drafted on the draft service so far (the coordinator's propose timings)."""
-    return int(next(s.value for s in metrics.step_phase.collect()[0].samples
-                    if s.name.endswith("_count") and s.labels.get("phase") == "propose"))
+    return int(next((s.value for s in metrics.step_phase.collect()[0].samples
+                     if s.name.endswith("_count") and s.labels.get("phase") == "propose"), 0))
+
+
+def _calls(metrics, method: str) -> int:
+    """gRPC calls of `method` a service has answered so far."""
+    return int(sum(s.value for s in metrics.request_latency.collect()[0].samples
+                   if s.name.endswith("_count") and s.labels.get("method") == method))
+
+
+def test_an_answer_no_one_streams_takes_whole_chunks_and_equals_the_streamed_one(redis_url, long_target):
+    """A unary request's tokens are seen only at the end: the target decodes it in chunks of
+    unary_chunk from the start, where a streamed one ramps up (1, 2, 4, ...) so its first token
+    comes at once. The tokens are the same."""
+    async def scenario():
+        async with local_stack(redis_url, long_target, methods={}) as st:
+            metrics = st.targets[0].metrics
+            unary = await st.client.generate(st.client.request(token_ids=PROMPTS[0], max_tokens=40, method="target"))
+            after_unary = _calls(metrics, "Decode")
+            streamed = [c async for c in st.client.generate_stream(
+                st.client.request(token_ids=PROMPTS[0], max_tokens=40, method="target"))]
+            return unary, after_unary, _calls(metrics, "Decode") - after_unary, streamed
+
+    unary, unary_calls, stream_calls, chunks = run(scenario())
+    assert_greedy_equal(long_target, PROMPTS[0], unary.token_ids, _plain(long_target, PROMPTS[0], 40).token_ids)
+    assert tuple(t for c in chunks for t in c.token_ids) == unary.token_ids
+    assert unary_calls == 1 and stream_calls >= 4
+    assert len([c for c in chunks if c.token_ids]) >= 4  # the streamed one arrived in pieces
