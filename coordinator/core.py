@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
-from specdec.errors import FailedPrecondition, InvalidRequest, NotFound, Overloaded, Unavailable
+from specdec.errors import FailedPrecondition, InvalidRequest, NotFound, Overloaded, SpecdecError, Unavailable
 from specdec.service.metrics import ServiceMetrics
 from specdec.sessions import check_session_id, check_token_ids
 from specdec.step_choice import StepRates
@@ -115,6 +115,7 @@ class Coordinator:
         self.on_store_change: Optional[Callable[[bool], Awaitable[None]]] = None  # e.g. health SERVING / NOT_SERVING
         self._store_watch: Optional[asyncio.Task] = None
         self._targets_watch: Optional[asyncio.Task] = None
+        self._warming: Optional[asyncio.Task] = None
         self._store_recheck: Optional[asyncio.Future] = None
 
     def start(self) -> None:
@@ -122,6 +123,19 @@ class Coordinator:
         self.target_pool.start()
         self._store_watch = asyncio.get_running_loop().create_task(self._watch_store())
         self._targets_watch = asyncio.get_running_loop().create_task(self._watch_targets())
+        self._warming = asyncio.get_running_loop().create_task(self._warm_up())
+
+    async def _warm_up(self) -> None:
+        """Fetch the target's info and tokenizer and apply the chat template once, in the
+        background at start, before the first request needs them (measured: the first chat
+        request spent ~0.75 s of the coordinator's CPU on them, then none)."""
+        try:
+            await self.info()
+            if self._tokenizer is not None:
+                await self.encode(Prompt(chat=[("user", "Hello!")]))
+                self.detokenize(await self.encode(Prompt(text="Hello!")))
+        except (SpecdecError, OSError, ValueError) as exc:  # the first request tries again and says why
+            log.info("warm-up skipped: %s", exc)
 
     async def _watch_targets(self) -> None:
         """Target replicas that join bring free slots to the sessions waiting for one."""
@@ -397,7 +411,7 @@ class Coordinator:
         return run, offset
 
     async def close(self) -> None:
-        for watch in (self._store_watch, self._targets_watch):
+        for watch in (self._store_watch, self._targets_watch, self._warming):
             if watch is not None:
                 watch.cancel()
         for run in list(self.runs.values()):

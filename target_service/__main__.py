@@ -93,6 +93,7 @@ async def serve_target(lm, tokenizer_dir: Optional[str], args: argparse.Namespac
     running = await start_target_server(lm, server_settings(args), settings, tokenizer_dir=tokenizer_dir,
                                         executor=executor)
     await running.core.batcher.run_alone(running.core.local_method)  # Decode "auto"'s method, measured once
+    await running.core.batcher.run_alone(running.core.warm_up)
     logging.getLogger("target_service").info(
         "target service (%s, methods: %s) listening on %s:%d, metrics on %s", lm.name,
         ", ".join(running.core.available_methods()), args.host, running.port, running.metrics_port)

@@ -40,8 +40,7 @@ def test_the_streaming_client_prints_how_to_resume_after_a_cut_and_the_resume_gi
     lm, tokenizer_dir = text_target
 
     async def scenario():
-        async with local_stack(redis_url, slow(lm, 20.0)) as st:
-            st.targets[0].core.tokenizer_dir = tokenizer_dir
+        async with local_stack(redis_url, slow(lm, 20.0), tokenizer_dir=tokenizer_dir) as st:
             done = await _cli("hello", "--no-chat", "--stream", "--max-new-tokens", "12",
                               "--address", st.coord.address)
             proc = await asyncio.create_subprocess_exec(

@@ -199,8 +199,7 @@ def test_a_huge_prompt_does_not_stall_other_sessions(redis_url, text_target):
     size_limit = "ab " * (LONG_CONTEXT * longest_token // 3)  # just under what may fit the context
 
     async def scenario():
-        async with local_stack(redis_url, lm) as st:
-            st.targets[0].core.tokenizer_dir = tokenizer_dir
+        async with local_stack(redis_url, lm, tokenizer_dir=tokenizer_dir) as st:
             big_client = CoordinatorClient(st.coord.address)
             try:
                 quiet, _ = await _latencies_around(st, None)
@@ -263,8 +262,7 @@ def test_a_unary_resume_returns_only_the_text_after_the_resume_point(redis_url, 
     sid, n = "resume-text-session-01", 12
 
     async def scenario():
-        async with local_stack(redis_url, lm) as st:
-            st.targets[0].core.tokenizer_dir = tokenizer_dir
+        async with local_stack(redis_url, lm, tokenizer_dir=tokenizer_dir) as st:
             full = await st.client.generate(st.client.request(text="hello world", max_tokens=30, session_id=sid))
             streamed = [ch async for ch in st.client.generate_stream(st.client.request(session_id=sid,
                                                                                         resume_from=n))]

@@ -103,8 +103,7 @@ def test_hostile_requests_with_a_good_token_get_the_right_status_and_the_coordin
         return grpc.StatusCode.OK, ""
 
     async def scenario():
-        async with local_stack(redis_url, lm, outer=outer, token=GOOD) as st:
-            st.targets[0].core.tokenizer_dir = tokenizer_dir
+        async with local_stack(redis_url, lm, outer=outer, token=GOOD, tokenizer_dir=tokenizer_dir) as st:
             stub = st.client.stub
             r = aioredis.from_url(redis_url)
             try:

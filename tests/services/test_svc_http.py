@@ -72,8 +72,7 @@ def test_sdk_chat_and_completions_equal_plain_decoding_streaming_and_not(redis_u
     n = 24
 
     async def scenario():
-        async with local_stack(redis_url, lm, draft, http_port=0) as st:
-            st.targets[0].core.tokenizer_dir = tokenizer_dir
+        async with local_stack(redis_url, lm, draft, http_port=0, tokenizer_dir=tokenizer_dir) as st:
             sdk, model = _sdk(st), await _model(st)
             ext = {"specdec": {"method": method}}
             chat = await sdk.chat.completions.create(model=model, messages=CHAT, max_tokens=n, temperature=0,
@@ -123,8 +122,7 @@ def test_a_session_named_in_the_extension_resumes_from_a_position(redis_url, tex
     lm, _, tokenizer_dir = text_models
 
     async def scenario():
-        async with local_stack(redis_url, lm, http_port=0) as st:
-            st.targets[0].core.tokenizer_dir = tokenizer_dir
+        async with local_stack(redis_url, lm, http_port=0, tokenizer_dir=tokenizer_dir) as st:
             sdk, model = _sdk(st), await _model(st)
             kw = dict(model=model, prompt=TEXT, max_tokens=16, temperature=0)
             first = await sdk.completions.create(**kw, extra_body={"specdec": {"session_id": "http-resume-1"}})
@@ -154,8 +152,8 @@ def test_bad_input_unknown_model_and_overload_raise_the_sdks_exceptions(redis_ur
     settings = dataclasses.replace(FAST, max_active=1)
 
     async def scenario():
-        async with local_stack(redis_url, slow(lm, 20.0), settings=settings, http_port=0) as st:
-            st.targets[0].core.tokenizer_dir = tokenizer_dir
+        async with local_stack(redis_url, slow(lm, 20.0), settings=settings, http_port=0,
+                               tokenizer_dir=tokenizer_dir) as st:
             sdk, model = _sdk(st), await _model(st)
             caught = {}
 
@@ -246,8 +244,7 @@ def test_bearer_tokens_and_tls_of_the_grpc_port_guard_the_http_port(redis_url, t
     trust = ssl.create_default_context(cafile=ca.cert)
 
     async def scenario():
-        async with local_stack(redis_url, lm, outer=outer, token=TOKEN, http_port=0) as st:
-            st.targets[0].core.tokenizer_dir = tokenizer_dir
+        async with local_stack(redis_url, lm, outer=outer, token=TOKEN, http_port=0, tokenizer_dir=tokenizer_dir) as st:
             url = st.coord.http.url
             model = await _model(st)
 
@@ -310,8 +307,7 @@ def test_a_client_that_disconnects_stops_generation_on_the_target(redis_url, tex
     max_tokens = 400
 
     async def scenario():
-        async with local_stack(redis_url, slow(lm, 20.0), http_port=0) as st:
-            st.targets[0].core.tokenizer_dir = tokenizer_dir
+        async with local_stack(redis_url, slow(lm, 20.0), http_port=0, tokenizer_dir=tokenizer_dir) as st:
             body = {"model": await _model(st), "prompt": TEXT, "max_tokens": max_tokens, "temperature": 0,
                     "stream": stream, "specdec": {"session_id": f"http-cut-{stream}"}}
             async with httpx.AsyncClient(base_url=st.coord.http.url, timeout=30) as http:
@@ -349,8 +345,7 @@ def test_schemathesis_finds_no_server_error_and_every_response_matches_the_schem
 
     async def scenario():
         async with local_stack(redis_url, lm, outer=ServerSettings(token_file=str(tokens)), token=TOKEN,
-                               http_port=0) as st:
-            st.targets[0].core.tokenizer_dir = tokenizer_dir
+                               http_port=0, tokenizer_dir=tokenizer_dir) as st:
             await st.core.info()
             proc = await asyncio.create_subprocess_exec(
                 os.path.join(os.path.dirname(sys.executable), "schemathesis"), "run",

@@ -33,9 +33,8 @@ def test_real_target_through_the_services_equals_plain_decoding(redis_url, real)
     draft = load_draft(None)  # what `python -m draft_service` runs by default: the shipped draft
 
     async def scenario():
-        async with local_stack(redis_url, real.lm, draft, methods={}) as st:
-            # The stack's target serves no tokenizer; point it at the model directory like `python -m` does.
-            st.targets[0].core.tokenizer_dir = real.path
+        # The target serves the model directory's tokenizer, as `python -m target_service` does.
+        async with local_stack(redis_url, real.lm, draft, methods={}, tokenizer_dir=real.path) as st:
             return await asyncio.gather(
                 st.client.generate(st.client.request(chat=[("user", question)], max_tokens=N)),
                 st.client.generate(st.client.request(token_ids=ids, max_tokens=N)))
@@ -79,8 +78,7 @@ def test_the_gguf_target_on_llamacpp_through_the_services_equals_its_plain_decod
     keep: list = []
 
     async def scenario():
-        async with local_stack(redis_url, cpp.lm, load_draft(None)) as st:
-            st.targets[0].core.tokenizer_dir = tokenizer_dir_of(cpp, keep)
+        async with local_stack(redis_url, cpp.lm, load_draft(None), tokenizer_dir=tokenizer_dir_of(cpp, keep)) as st:
             return await asyncio.gather(*(st.client.generate(st.client.request(chat=[("user", q)], max_tokens=N,
                                                                                 method=m))
                                           for q in questions for m in ("draft", "auto")))
