@@ -125,6 +125,11 @@ class Coordinator:
         self._targets_watch = asyncio.get_running_loop().create_task(self._watch_targets())
         self._warming = asyncio.get_running_loop().create_task(self._warm_up())
 
+    @property
+    def warming(self) -> bool:
+        """Whether the start-up warm-up still runs (the HTTP health says not ready meanwhile)."""
+        return self._warming is not None and not self._warming.done()
+
     async def _warm_up(self) -> None:
         """Fetch the target's info and tokenizer and apply the chat template once, in the
         background at start, before the first request needs them (measured: the first chat

@@ -391,7 +391,7 @@ def build_app(core: Coordinator, token_file=None) -> FastAPI:
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health():
-        if not core.store_ok or not core.target_pool.live():
+        if not core.store_ok or not core.target_pool.live() or core.warming:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return {"status": "ok"}
 

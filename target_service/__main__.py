@@ -84,16 +84,16 @@ def tokenizer_dir_of(loaded, keep: list) -> Optional[str]:
 async def serve_target(lm, tokenizer_dir: Optional[str], args: argparse.Namespace, executor=None) -> None:
     """Serve this target model (a CausalLM) with the flags' settings until SIGTERM. executor: the
     thread the model was loaded on, which runs all its work (see _serve)."""
-    from target_service.core import TargetSettings
+    from target_service.core import TargetSettings, warm_up
     from target_service.servicer import start_target_server
 
     settings = TargetSettings(max_sessions=args.max_sessions, max_batch=args.max_batch,
                               prefix_cache_mb=args.prefix_cache_mb,
                               batch_window_ms=args.batch_window_ms, max_k=args.max_k)
+    await asyncio.get_running_loop().run_in_executor(executor, warm_up, lm)  # before it serves
     running = await start_target_server(lm, server_settings(args), settings, tokenizer_dir=tokenizer_dir,
                                         executor=executor)
     await running.core.batcher.run_alone(running.core.local_method)  # Decode "auto"'s method, measured once
-    await running.core.batcher.run_alone(running.core.warm_up)
     logging.getLogger("target_service").info(
         "target service (%s, methods: %s) listening on %s:%d, metrics on %s", lm.name,
         ", ".join(running.core.available_methods()), args.host, running.port, running.metrics_port)

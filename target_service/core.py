@@ -311,18 +311,6 @@ class TargetCore:
         async with sess.lock:
             return await self.batcher.submit(_Step(sess, pos, ids, draft_probs, sampling))
 
-    def warm_up(self) -> None:
-        """A short prefill and a few decoding steps on a throwaway cache (model thread), as
-        llama-server does at load, so the first request does not pay for what a first forward
-        sets up (llama.cpp: its context, kept for the next cache; the compute buffers). Measured
-        on the embedded GGUF, 2 threads: the first request's prefill took 560 ms against 220 for
-        the next ones without it."""
-        cache = self.target.new_cache(1)
-        ids = [i % self.target.vocab_size for i in range(1, 9)]
-        self.target.prefill(cache, [ids])
-        for token in ids[:2]:
-            self.target.forward(cache, torch.tensor([[token]]))
-
     def local_method(self) -> str:
         """What Decode(method="auto") runs: the target-local method the measured verify cost of
         this model on this machine favours (costmodel.target_local_method, the rule `specdec
@@ -383,6 +371,19 @@ class TargetCore:
 
     async def close(self) -> None:
         await self.batcher.close()
+
+
+def warm_up(target: CausalLM) -> None:
+    """A short prefill and a few decoding steps on a throwaway cache, as llama-server does at
+    load, before the service serves: the first request does not pay for what a first forward
+    sets up (llama.cpp: its context, kept for the next cache; the compute buffers). Measured on
+    the embedded GGUF, 2 threads: the first request's prefill took 560 ms against 220 for the
+    next ones without it."""
+    cache = target.new_cache(1)
+    ids = [i % target.vocab_size for i in range(1, 9)]
+    target.prefill(cache, [ids])
+    for token in ids[:2]:
+        target.forward(cache, torch.tensor([[token]]))
 
 
 def _no_draft() -> CausalLM:

@@ -148,3 +148,16 @@ def test_a_greedy_step_is_a_forward_and_its_argmax(gguf_target):
                                gguf_target.forward(slow, torch.tensor([[b]])).logits)
     with pytest.raises(ValueError, match="batch-1"):
         gguf_target.greedy_step(gguf_target.new_cache(2), a)
+
+
+def test_the_target_services_warm_up_leaves_a_context_for_the_first_session(gguf_target):
+    """target_service.core.warm_up runs before the service serves: the first session's cache
+    takes the context it made instead of making one (~40 ms on the real model)."""
+    from specdec.llamacpp.model import LlamaCppLM
+    from target_service.core import warm_up
+
+    fresh = LlamaCppLM(gguf_target.path, threads=1)  # (no idle context yet)
+    warm_up(fresh)
+    assert fresh.contexts.made == 1
+    cache = fresh.new_cache(1)
+    assert fresh.contexts.made == 1 and int(cache.lengths[0]) == 0  # the warm-up's, handed over empty
