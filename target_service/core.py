@@ -164,7 +164,8 @@ class TargetCore:
         have = min(int(sess.cache.lengths[0]), common_prefix_len(sess.tokens, tokens))
         if want - have >= self.prefix_cache.block:
             self.metrics.prefix_cache_queries.inc(want)
-        n, kv = restore_longest(self.prefix_cache, self.target, tokens, at_most=want, more_than=have)
+        fresh = sess.cache if not sess.tokens else None  # a new session's cache, never fed: restore into it
+        n, kv = restore_longest(self.prefix_cache, self.target, tokens, at_most=want, more_than=have, into=fresh)
         if kv is None:
             return sess.tokens
         sess.cache = kv

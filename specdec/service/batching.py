@@ -148,6 +148,9 @@ class MicroBatcher(Generic[T]):
                     it.future.set_exception(res)
                 else:
                     it.future.set_result(res)
+            # Hold nothing of this batch while waiting for the next: a payload keeps its session
+            # alive (on llama.cpp, a context that a released session would hand to the next one).
+            del batch, results, it, res
 
     async def close(self) -> None:
         if self._worker is not None:
