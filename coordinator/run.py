@@ -266,7 +266,9 @@ class SessionRun:
             rates = self.coord.step_rates
             # auto: drafting or the target alone, whichever has cost less per token (specdec.step_choice);
             # a seeded sampled session always the target alone: its random draws depend on the way
-            way = DRAFT if self.method == "draft" else LOCAL if self._seeded else rates.choose(draft is not None)
+            # (not before a streamed session's first token, whose latency the client sees)
+            way = (DRAFT if self.method == "draft" else LOCAL if self._seeded
+                   else rates.choose(draft is not None, may_explore=bool(self.generated) or not self.streamed))
             t = time.perf_counter()
             if way == LOCAL:
                 chunk = self._local_chunk()

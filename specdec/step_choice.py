@@ -70,10 +70,14 @@ class StepRates:
         threads slowed down many times while another process kept a core busy)."""
         return self.faster() == DRAFT
 
-    def choose(self, draft_available: bool) -> str:
-        """The way to take the next step (LOCAL whenever no draft is available)."""
+    def choose(self, draft_available: bool, may_explore: bool = True) -> str:
+        """The way to take the next step (LOCAL whenever no draft is available). may_explore
+        False (a session's first token, whose latency a client sees): the way measured faster, or
+        LOCAL while either is unmeasured; no exploration starts."""
         if not draft_available:
             return LOCAL
+        if not may_explore and self._exploring is None:
+            return self.faster() or LOCAL
         for way in (LOCAL, DRAFT):  # each measured once first
             if way not in self._sums:
                 return way

@@ -132,3 +132,19 @@ def test_an_exploration_whose_step_was_not_typical_is_taken_once_more_then_given
         if after[-1] == LOCAL:
             rates.record(LOCAL, 0.08, 8)
     assert after[:3] == [LOCAL] * 3 and DRAFT in after
+
+
+def test_no_exploration_or_first_measurement_where_it_may_not():
+    """A session's first token (the latency a streaming client sees) takes the way known faster,
+    or the target alone while a way is unmeasured; explorations wait for a later step."""
+    rates = StepRates(explore_after_s=0.1, max_share=1.0)
+    assert rates.choose(True, may_explore=False) == LOCAL
+    rates.record(LOCAL, 0.08, 8)
+    assert rates.choose(True, may_explore=False) == LOCAL  # DRAFT unmeasured: not measured here
+    assert rates.choose(True) == DRAFT
+    rates.record(DRAFT, 0.02, 8)  # DRAFT faster
+    assert rates.choose(True, may_explore=False) == DRAFT
+    for _ in range(20):
+        rates.record(DRAFT, 0.02, 8)  # time passes: an exploration is due
+    assert rates.choose(True, may_explore=False) == DRAFT
+    assert rates.choose(True) == LOCAL  # the due exploration, at the next step that may
