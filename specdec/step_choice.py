@@ -14,9 +14,9 @@ sessions see them end to end, and picks the way whose ratio (seconds per token) 
 The slower way is tried again now and then (one typical step) once the faster way has run for a
 while, counted in seconds, not steps (a step may be one token or a whole answer): at first after
 explore_after_s, each time it loses again twice as long (up to max_explore_after_s), and never
-before the faster way has run 1 / max_share times as long as the last exploration took (5%:
-measured, one exploration of a torch draft beside a llama.cpp target cost ~0.2 s, a fifth of a
-short request). So conditions that change (another prompt mix, a loaded draft) are noticed while
+before the faster way has run 1 / max_share times as long as the last exploration took (2%:
+measured, one exploration of a torch draft beside a llama.cpp target cost 0.2-0.4 s, a third of
+a short request, and 5% still put one on a few requests of a 28-request benchmark). So conditions that change (another prompt mix, a loaded draft) are noticed while
 a way that keeps losing costs almost nothing. Both ways are lossless, so a choice changes
 speed, never the output.
 
@@ -38,7 +38,7 @@ class StepRates:
     weight: float = 0.25  # of the newest observation in the running mean
     explore_after_s: float = 2.0  # seconds of the faster way before the slower is tried again (at first)
     max_explore_after_s: float = 120.0
-    max_share: float = 0.05  # of the time, at most, that explorations take
+    max_share: float = 0.02  # of the time, at most, that explorations take
     _gap_s: float = 0.0  # the current wait between tries of the slower way
     _exploring: Optional[str] = None  # the way tried for exploration, until its step is recorded
     _retried: bool = False  # the exploration's first step was not typical (skipped): tried once more
