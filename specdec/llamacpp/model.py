@@ -214,6 +214,18 @@ class LlamaCppCache:
         self.length = [self.length[b] for b in chosen]
         self.pending = [self.pending[b] for b in chosen]
 
+    def run_batch(self, want_hidden: bool) -> None:
+        """llama_decode of the batch as filled (n_tokens set), with or without hidden states."""
+        if want_hidden != self.embeddings:
+            # The final hidden state (after the output norm) beside the logits (Medusa heads read it):
+            # switched on only while asked, since it makes a long prompt's prefill ~10% slower.
+            self.lib.llama_set_embeddings(self.ctx, want_hidden)
+            self.embeddings = want_hidden
+        rc = self.lib.llama_decode(self.ctx, self.batch)
+        if rc != 0:
+            why = "a row outgrew its context" if rc == 1 else f"llama_decode returned {rc}"
+            raise InvalidRequest(f"llama.cpp: {why} ({_why()})")
+
     def decode(self, items: list[_Input], vocab_size: int,
                hidden_size: int = 0) -> dict[tuple[int, int], tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """One llama_decode of these inputs -> (logits [vocab], with hidden_size the final hidden
@@ -229,16 +241,7 @@ class LlamaCppCache:
             if item.logits:
                 asked[j] = (item.row, item.column)
         batch.n_tokens = len(items)
-        want_hidden = hidden_size > 0
-        if want_hidden != self.embeddings:
-            # The final hidden state (after the output norm) beside the logits (Medusa heads read it):
-            # switched on only while asked, since it makes a long prompt's prefill ~10% slower.
-            lib.llama_set_embeddings(self.ctx, want_hidden)
-            self.embeddings = want_hidden
-        rc = lib.llama_decode(self.ctx, batch)
-        if rc != 0:
-            why = "a row outgrew its context" if rc == 1 else f"llama_decode returned {rc}"
-            raise InvalidRequest(f"llama.cpp: {why} ({_why()})")
+        self.run_batch(hidden_size > 0)
         return {key: (_floats(lib.llama_get_logits_ith(self.ctx, j), vocab_size),
                       _floats(lib.llama_get_embeddings_ith(self.ctx, j), hidden_size) if hidden_size else None)
                 for j, key in asked.items()}
@@ -418,13 +421,7 @@ class LlamaCppLM:
         lib, batch = self.lib, cache.batch
         batch.token[0], batch.pos[0], batch.n_seq_id[0] = token, cache.length[0], 1
         batch.seq_id[0][0], batch.logits[0], batch.n_tokens = cache.seqs[0], 1, 1
-        if cache.embeddings:
-            lib.llama_set_embeddings(cache.ctx, False)
-            cache.embeddings = False
-        rc = lib.llama_decode(cache.ctx, batch)
-        if rc != 0:
-            why = "the row outgrew its context" if rc == 1 else f"llama_decode returned {rc}"
-            raise InvalidRequest(f"llama.cpp: {why} ({_why()})")
+        cache.run_batch(want_hidden=False)
         cache.length[0] += 1
         return int(np.ctypeslib.as_array(lib.llama_get_logits_ith(cache.ctx, 0), shape=(self.vocab_size,)).argmax())
 
