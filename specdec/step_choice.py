@@ -18,8 +18,8 @@ before the faster way has run 1 / max_share times as long as the last exploratio
 measured, one exploration of a torch draft beside a llama.cpp target cost 0.2-0.4 s, a third of
 a short request, and 5% still put one on a few requests of a 28-request benchmark); nor before
 a streamed session's first token. So conditions that change (another prompt mix, a loaded
-draft) are noticed while a way that keeps losing costs almost nothing. Both ways are lossless, so a choice changes
-speed, never the output.
+draft) are noticed while a way that keeps losing costs almost nothing. Both ways are lossless,
+so a choice changes speed, never the output.
 
 Limitation: one set of rates per coordinator, shared by its sessions: a session whose prompts
 suit drafting far better than the mix (a summary that copies its document) is not told apart.
