@@ -24,11 +24,11 @@ NEW_TOKENS = 48
 
 
 async def _session(core: TargetCore, i: int, prompt: list[int]) -> int:
-    sid = f"bench-{i}-{time.monotonic()}"
+    sid = f"bench-{i}-{time.monotonic_ns()}"  # (a session id: letters, digits, _ and - only)
     await core.prefill(sid, prompt)
     out = await core.decode(sid, Position(len(prompt), (), token_digest(prompt)), NEW_TOKENS, "plain", SamplingParams())
-    core.release(sid)
-    return len(out["emitted"])
+    await core.release(sid)
+    return len(out.emitted)
 
 
 async def _tokens_per_s(core: TargetCore, prompts: list[list[int]], n: int) -> float:

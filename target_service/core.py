@@ -34,7 +34,7 @@ from specdec.service.session_table import SessionTable
 from specdec.sampling import make_generator
 from specdec.sessions import PrefixDigests, check_token_ids, extend_digest, step_seed
 from specdec.stopping import StopChecker
-from specdec.types import DraftKind, Proposal, ProposeContext, SamplingParams, StopConditions, Verdict
+from specdec.types import DecodeResult, DraftKind, Proposal, ProposeContext, SamplingParams, StopConditions, Verdict
 from specdec.verify import RowStep, common_prefix_len, load_committed, verify_sessions
 
 log = logging.getLogger("target_service")
@@ -337,7 +337,7 @@ class TargetCore:
         return ["plain", *(m for m in self.methods if m != "plain")]
 
     async def decode(self, session_id: str, pos: Position, max_tokens: int, method: str,
-                     sampling: SamplingParams, stop_token_ids: Sequence[int] = (), k: int = 4) -> dict:
+                     sampling: SamplingParams, stop_token_ids: Sequence[int] = (), k: int = 4) -> DecodeResult:
         if max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")
         self._check_position(pos.committed_len, pos.new_token_ids, max_tokens)
@@ -361,8 +361,7 @@ class TargetCore:
                 step.abandoned = True
                 raise
         s = progress.stats
-        return dict(emitted=tuple(progress.checker.generated), method=method, target_forwards=s.target_forwards,
-                    num_drafted=s.drafted, num_accepted=s.accepted)
+        return DecodeResult(tuple(progress.checker.generated), method, s.target_forwards, s.drafted, s.accepted)
 
     def tokenizer_files(self) -> dict[str, bytes]:
         if not self.tokenizer_dir:

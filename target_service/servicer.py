@@ -51,9 +51,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         sid, pos = _position(request.position)
         out = await self.core.decode(sid, pos, request.max_tokens, request.method,
                                      convert.sampling_from_pb(request.sampling), request.stop_token_ids)
-        return target_pb2.DecodeResponse(emitted_token_ids=out["emitted"], method=out["method"],
-                                         target_forwards=out["target_forwards"], num_drafted=out["num_drafted"],
-                                         num_accepted=out["num_accepted"])
+        return target_pb2.DecodeResponse(emitted_token_ids=out.emitted, method=out.method,
+                                         target_forwards=out.target_forwards, num_drafted=out.num_drafted,
+                                         num_accepted=out.num_accepted)
 
     async def Release(self, request, context):
         sid = check_session_id(request.session_id)

@@ -6,7 +6,7 @@ import asyncio
 
 from specdec.proposers.lookahead import LookaheadConfig, LookaheadProposer
 from specdec.sessions import token_digest
-from specdec.types import SamplingParams
+from specdec.types import DecodeResult, SamplingParams
 from target_service.core import Position, TargetCore, TargetSettings
 from tests.services.stack import mean_batch_size, run
 
@@ -18,7 +18,7 @@ WINDOW_ONLY = {"lookahead": lambda: LookaheadProposer(LookaheadConfig(pool_from_
 BATCH_OF_TWO = TargetSettings(max_batch=2, batch_window_ms=500.0)
 
 
-async def _decode(core: TargetCore, session_id: str, prompt: list[int], max_tokens: int = 48) -> dict:
+async def _decode(core: TargetCore, session_id: str, prompt: list[int], max_tokens: int = 48) -> DecodeResult:
     await core.prefill(session_id, prompt)
     pos = Position(len(prompt), (), token_digest(prompt))
     return await core.decode(session_id, pos, max_tokens, "lookahead", SamplingParams())
@@ -43,11 +43,9 @@ def test_lookahead_sessions_verified_together_reach_the_same_tau_as_each_alone(l
 
     alone, together, batched = run(scenario())
     assert batched > 1.5, "the sessions' steps were not batched together"
-    assert all(a["num_accepted"] > 0 for a in alone), "lookahead accepted nothing alone: the test shows nothing"
+    assert all(a.num_accepted > 0 for a in alone), "lookahead accepted nothing alone: the test shows nothing"
     for a, t in zip(alone, together):
-        assert t["emitted"] == a["emitted"]
-        assert (t["target_forwards"], t["num_drafted"], t["num_accepted"]) == \
-            (a["target_forwards"], a["num_drafted"], a["num_accepted"])
+        assert t == a  # the same tokens, forwards, drafted and accepted
 
 
 class _WantHidden:
@@ -90,7 +88,7 @@ def test_verify_asks_for_no_hidden_state_and_a_hidden_reading_method_takes_over_
             verified = len(target.asked)
             res = await core.decode("session-1", Position(len(tokens), (), token_digest(tokens)), 9 - (len(tokens) - 5),
                                     "hidden_probe", SamplingParams())
-            return tokens, list(res["emitted"]), verified
+            return tokens, list(res.emitted), verified
         finally:
             await core.close()
 
@@ -132,5 +130,5 @@ def test_a_long_decode_goes_on_in_the_model_thread_yet_lets_another_session_in(l
     assert served_between, "the other session waited for the whole long Decode"
     assert per_forward >= 1.0
     want = plain_generate(long_target, [long_prompt, short_prompt], stop=StopConditions(max_new_tokens=400))
-    assert list(long_out["emitted"]) == list(want[0].token_ids)
-    assert list(short_out["emitted"]) == list(want[1].token_ids)[:4]
+    assert list(long_out.emitted) == list(want[0].token_ids)
+    assert list(short_out.emitted) == list(want[1].token_ids)[:4]
