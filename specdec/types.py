@@ -154,7 +154,8 @@ class DraftKind(enum.Enum):
 
 @dataclass(frozen=True)
 class Verdict:
-    """What the target decided for one sequence in one step."""
+    """What the target decided for one sequence in one step (also the target service's answer to
+    Verify, a session's one row)."""
 
     row_id: int
     num_drafted: int
@@ -216,15 +217,6 @@ class DraftBlock:
     draft_probs: Optional[torch.Tensor]  # [k, vocab], sampling only
     guess: Optional[int]  # the draft's guess of the token after the block (pipelining)
     kind: DraftKind = DraftKind.DETERMINISTIC  # SAMPLED when drafted under sampling (with draft_probs)
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    """The target service's answer to Verify: one step of the session."""
-
-    emitted: tuple[int, ...]
-    num_accepted: int
-    num_drafted: int
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from specdec.rpc.serving import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from specdec.rpc.security import ClientTLS, secure_channel
 from specdec.rpc.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, target_pb2,
                             target_pb2_grpc)
-from specdec.types import DecodeResult, DraftBlock, DraftKind, ModelInfo, SamplingParams, VerifyResult
+from specdec.types import DecodeResult, DraftBlock, DraftKind, ModelInfo, SamplingParams, Verdict
 
 
 class DeadlineExceeded(Unavailable):
@@ -279,7 +279,7 @@ class TargetClient(ServiceClient):
 
     async def verify(self, session_id: str, committed: Sequence[int], known_len: int, draft_ids: Sequence[int],
                      draft_probs: Optional[torch.Tensor], sampling: SamplingParams,
-                     draft_kind: DraftKind, digest: Optional[int] = None) -> VerifyResult:
+                     draft_kind: DraftKind, digest: Optional[int] = None) -> Verdict:
         req = target_pb2.VerifyRequest(position=convert.position_to_pb(session_id, committed, known_len, digest),
                                        draft_token_ids=list(draft_ids), sampling=convert.sampling_to_pb(sampling),
                                        draft_kind=convert.draft_kind_to_pb(draft_kind))
@@ -287,7 +287,8 @@ class TargetClient(ServiceClient):
             req.draft_probs.CopyFrom(convert.draft_probs_to_pb(draft_probs))
         reply = await self._step(session_id, self.stub.VerifyStream, self.stub.Verify, req, self.deadlines.verify,
                                  self.retries)
-        return VerifyResult(tuple(reply.emitted_token_ids), reply.num_accepted, reply.num_drafted)
+        return Verdict(row_id=0, num_drafted=reply.num_drafted, num_accepted=reply.num_accepted,
+                       emitted=tuple(reply.emitted_token_ids))  # (the session's one row)
 
     async def decode(self, session_id: str, committed: Sequence[int], known_len: int, max_tokens: int,
                      method: str, sampling: SamplingParams, stop_token_ids: Sequence[int] = (),
