@@ -23,7 +23,7 @@ from specdec.service.metrics import ServiceMetrics
 from specdec.service.session_table import SessionTable
 from specdec.sampling import draft_seed, make_generator
 from specdec.sessions import PrefixDigests, check_token_ids, extend_digest, step_seed
-from specdec.types import ProposeContext, SamplingParams
+from specdec.types import DraftBlock, DraftKind, ProposeContext, SamplingParams
 
 
 def _draft_generator(sampling: SamplingParams, committed_len: int) -> torch.Generator:
@@ -61,13 +61,6 @@ class _Job:
     with_guess: bool
 
 
-@dataclass(frozen=True)
-class DraftResult:
-    token_ids: tuple[int, ...]
-    draft_probs: Optional[torch.Tensor]  # [k, vocab] when sampling
-    guess: Optional[int]
-
-
 class DraftCore:
     def __init__(self, draft: CausalLM, settings: DraftSettings = DraftSettings(),
                  metrics: Optional[ServiceMetrics] = None):
@@ -103,7 +96,7 @@ class DraftCore:
         return len(ids)
 
     async def propose(self, session_id: str, committed_len: int, new_token_ids: Sequence[int], digest: int, k: int,
-                      sampling: SamplingParams, with_guess: bool = False) -> DraftResult:
+                      sampling: SamplingParams, with_guess: bool = False) -> DraftBlock:
         if not 1 <= k <= self.settings.max_k:
             raise InvalidRequest(f"k must be in [1, {self.settings.max_k}], got {k}")
         if committed_len < 1 or len(new_token_ids) > committed_len:
@@ -143,7 +136,7 @@ class DraftCore:
                 results[i] = res
         return results
 
-    def _propose_group(self, jobs: Sequence[_Job], sampling: SamplingParams) -> list[DraftResult]:
+    def _propose_group(self, jobs: Sequence[_Job], sampling: SamplingParams) -> list[DraftBlock]:
         """Draft for several sessions in one batched forward."""
         ks = tuple(j.k + (1 if j.with_guess else 0) for j in jobs)
         generators = None if sampling.greedy else tuple(_draft_generator(sampling, len(j.session.tokens)) for j in jobs)
@@ -156,11 +149,12 @@ class DraftCore:
         if len(jobs) > 1:
             for job, own in zip(jobs, rows.split(self.draft.new_cache)):
                 job.session.rows = own
+        kind = DraftKind.DETERMINISTIC if sampling.greedy else DraftKind.SAMPLED  # argmax, or drawn
         out = []
         for job, prop in zip(jobs, proposals):
             toks = prop.token_ids
             probs = prop.draft_probs[: job.k] if prop.draft_probs is not None else None
-            out.append(DraftResult(tuple(toks[: job.k]), probs, toks[job.k] if job.with_guess else None))
+            out.append(DraftBlock(tuple(toks[: job.k]), probs, toks[job.k] if job.with_guess else None, kind))
         return out
 
     async def close(self) -> None:
