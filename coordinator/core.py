@@ -307,9 +307,7 @@ class Coordinator:
         whether the client follows the tokens as they come (False: it waits for the whole answer)."""
         t0 = time.perf_counter()
         try:
-            run, offset = await self._open(req, stream)
-            run.streamed = run.streamed or stream
-            return run, offset
+            return await self._open(req, stream)
         finally:
             self.metrics.step_phase.labels(phase="open").observe(time.perf_counter() - t0)
 
@@ -352,6 +350,7 @@ class Coordinator:
                     run.start()
         if req.resume_from > len(run.generated):
             raise InvalidRequest(f"resume_from {req.resume_from} is beyond the {len(run.generated)} tokens generated")
+        run.streamed = run.streamed or stream  # (a run a stream joins streams from now on)
         return run, req.resume_from
 
     def target_load(self, address: str) -> int:

@@ -24,7 +24,7 @@ from specdec.sampling import draft_seed, make_generator, next_token
 from specdec.stopping import Detokenize, StopChecker
 from specdec.types import (GenerationResult, GenerationStats, Proposal, ProposeContext, SamplingParams,
                            StopConditions, Verdict)
-from specdec.verify import RowStep, verify_step
+from specdec.verify import RowStep, greedy_stepper, verify_step
 
 
 @dataclass(frozen=True)
@@ -239,8 +239,7 @@ def plain_generate(
     gens = _row_generators(sampling.seed, len(prompts))
     rows = [RowProgress(StopChecker(stop, detokenize), prompt=tuple(p)) for p in prompts]
     cache, first = _prefill(target, prompts, prefix_cache)
-    # One greedy row on a target with greedy_step (llama.cpp): a step without the logits copied out
-    greedy_step = getattr(target, "greedy_step", None) if sampling.greedy and len(prompts) == 1 else None
+    greedy_step = greedy_stepper(target, sampling, len(prompts))  # (llama.cpp: no logits copied out)
     nxt = [next_token(row_logits, sampling, gens[b]) for b, row_logits in enumerate(first.logits)]
     active = list(range(len(prompts)))  # row index of each cache row
     while active:

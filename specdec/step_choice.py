@@ -115,6 +115,11 @@ class StepRates:
 
     def _end_exploration(self) -> None:
         self._exploring, self._retried = None, False
+        self._explored()
+
+    def _explored(self) -> None:
+        """An exploration (or the second way's first measurement) is over: its seconds are the
+        last exploration's, and the faster way's time is counted from now."""
         self._last_explore_s, self._explore_s, self._spent_s = self._explore_s, 0.0, 0.0
 
     def record(self, way: str, seconds: float, emitted: int) -> None:
@@ -134,7 +139,7 @@ class StepRates:
         self._sums[way] = (seconds, emitted) if old is None else ((1 - w) * old[0] + w * seconds,
                                                                   (1 - w) * old[1] + w * emitted)
         if first:
-            self._last_explore_s, self._explore_s, self._spent_s = self._explore_s, 0.0, 0.0
+            self._explored()
         if way == self._exploring:
             self._end_exploration()
             still_slower = self.faster() != way

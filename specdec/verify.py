@@ -145,7 +145,7 @@ def _plain_step(target: CausalLM, cache: KVCache, rows: Sequence[RowStep], want_
                 want_features: bool) -> list[StepOutcome]:
     """verify_step when no row drafted anything: one token per row, fed as a plain decoding step
     (no block mask or depths to build), its next token as the acceptance rule would pick it."""
-    greedy_step = _greedy_step(target, rows, want_hidden or want_features)
+    greedy_step = greedy_stepper(target, rows[0].sampling, len(rows), want_hidden or want_features)
     if greedy_step is not None:
         [row] = rows
         return [StepOutcome(Verdict(row_id=row.row_id, num_drafted=0, num_accepted=0,
@@ -162,10 +162,11 @@ def _plain_step(target: CausalLM, cache: KVCache, rows: Sequence[RowStep], want_
     return outcomes
 
 
-def _greedy_step(target: CausalLM, rows: Sequence[RowStep], want_states: bool):
-    """The target's greedy_step(cache, token) -> next token, where it has one (llama.cpp) and this
-    step is one greedy row with no hidden states asked for; else None."""
-    if len(rows) != 1 or want_states or not rows[0].sampling.greedy:
+def greedy_stepper(target: CausalLM, sampling: SamplingParams, rows: int, want_states: bool = False):
+    """The target's greedy_step(cache, token) -> next token, where it has one (llama.cpp) and the
+    step is one greedy row with no hidden states asked for; else None (plain decoding's loop and
+    _plain_step both ask here)."""
+    if rows != 1 or want_states or not sampling.greedy:
         return None
     return getattr(target, "greedy_step", None)
 

@@ -112,6 +112,12 @@ def save_char_tokenizer(directory) -> str:
     return str(directory)
 
 
+def handled(metrics: ServiceMetrics, method: str) -> float:
+    """gRPC calls of `method` a service has answered OK so far."""
+    return sum(s.value for s in metrics.request_latency.collect()[0].samples
+               if s.name.endswith("_count") and s.labels == {"method": method, "code": "OK"})
+
+
 def mean_batch_size(metrics: ServiceMetrics) -> float:
     """Sessions per model forward so far, from a service's batch-size histogram."""
     samples = {s.name.rsplit("_", 1)[-1]: s.value for s in metrics.batch_size.collect()[0].samples}

@@ -12,7 +12,7 @@ from specdec.decode import plain_generate
 from specdec.rpc.clients import CoordinatorClient
 from specdec.types import StopConditions
 from tests.conftest import assert_greedy_equal
-from tests.services.stack import FAST, local_stack, run, slow
+from tests.services.stack import FAST, handled, local_stack, run, slow
 
 PROMPT = [3, 4, 10, 11, 12, 13, 14]
 
@@ -47,8 +47,7 @@ def test_draft_killed_mid_generation_falls_back_and_drafting_resumes_after_resta
                 elif n >= 40 and not restarted:
                     fresh = await st.restart_draft(0)
                     restarted = True
-            proposes = sum(s.value for s in fresh.metrics.request_latency.collect()[0].samples
-                           if s.name.endswith("_count") and s.labels["method"] == "Propose")
+            proposes = handled(fresh.metrics, "Propose")
             return chunks, proposes
 
     chunks, proposes = run(scenario())

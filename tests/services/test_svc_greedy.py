@@ -14,7 +14,7 @@ from specdec.proposers import PROPOSERS
 from specdec.proposers import DraftModelProposer
 from specdec.types import SamplingParams, StopConditions
 from tests.conftest import assert_greedy_equal
-from tests.services.stack import local_stack, mean_batch_size, run
+from tests.services.stack import handled, local_stack, mean_batch_size, run
 
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 10, 11, 12, 13, 14], [20, 21, 22], [40, 41, 42, 43]]
 TARGET_METHODS = ["plain", "target", "prompt-lookup"] + [m for m in ("lookahead",) if m in PROPOSERS]
@@ -168,12 +168,6 @@ def _propose_calls(metrics) -> int:
                      if s.name.endswith("_count") and s.labels.get("phase") == "propose"), 0))
 
 
-def _calls(metrics, method: str) -> int:
-    """gRPC calls of `method` a service has answered so far."""
-    return int(sum(s.value for s in metrics.request_latency.collect()[0].samples
-                   if s.name.endswith("_count") and s.labels.get("method") == method))
-
-
 def test_an_answer_no_one_streams_takes_whole_chunks_and_equals_the_streamed_one(redis_url, long_target):
     """A unary request's tokens are seen only at the end: the target decodes it in chunks of
     unary_chunk from the start, where a streamed one ramps up (1, 2, 4, ...) so its first token
@@ -182,10 +176,10 @@ def test_an_answer_no_one_streams_takes_whole_chunks_and_equals_the_streamed_one
         async with local_stack(redis_url, long_target, methods={}) as st:
             metrics = st.targets[0].metrics
             unary = await st.client.generate(st.client.request(token_ids=PROMPTS[0], max_tokens=40, method="target"))
-            after_unary = _calls(metrics, "Decode")
+            after_unary = handled(metrics, "Decode")
             streamed = [c async for c in st.client.generate_stream(
                 st.client.request(token_ids=PROMPTS[0], max_tokens=40, method="target"))]
-            return unary, after_unary, _calls(metrics, "Decode") - after_unary, streamed
+            return unary, after_unary, handled(metrics, "Decode") - after_unary, streamed
 
     unary, unary_calls, stream_calls, chunks = run(scenario())
     assert_greedy_equal(long_target, PROMPTS[0], unary.token_ids, _plain(long_target, PROMPTS[0], 40).token_ids)

@@ -21,7 +21,7 @@ from specdec.types import DraftKind, SamplingParams, StopConditions
 from target_service.core import TargetCore
 from target_service.servicer import TargetServicer, start_target_server
 from tests.conftest import assert_greedy_equal
-from tests.services.stack import FAST, local_stack, run
+from tests.services.stack import FAST, handled, local_stack, run
 
 PROMPT = [5, 6, 7, 8, 9]
 GREEDY = SamplingParams()
@@ -46,11 +46,6 @@ def _count_opens(stub, name: str) -> list[int]:
     return opened
 
 
-def _handled(metrics, method: str) -> float:
-    return sum(s.value for s in metrics.request_latency.collect()[0].samples
-               if s.name.endswith("_count") and s.labels == {"method": method, "code": "OK"})
-
-
 def test_a_sessions_steps_travel_on_one_stream_to_each_service(redis_url, tiny_target, tiny_draft):
     async def scenario():
         async with local_stack(redis_url, tiny_target, tiny_draft) as st:
@@ -59,9 +54,9 @@ def test_a_sessions_steps_travel_on_one_stream_to_each_service(redis_url, tiny_t
             [target] = st.core.target_pool.replicas.values()
             proposes = _count_opens(draft.client.stub, "ProposeStream")
             verifies = _count_opens(target.client.stub, "VerifyStream")
-            verified_before = _handled(st.targets[0].metrics, "Verify")
+            verified_before = handled(st.targets[0].metrics, "Verify")
             out = await st.client.generate(st.client.request(token_ids=PROMPT, max_tokens=40, method="draft"))
-            verified = _handled(st.targets[0].metrics, "Verify") - verified_before
+            verified = handled(st.targets[0].metrics, "Verify") - verified_before
             return out, proposes[0], verifies[0], verified, len(draft.client._streams) + len(target.client._streams)
 
     out, proposes, verifies, verified, left_open = run(scenario())
