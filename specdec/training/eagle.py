@@ -24,7 +24,10 @@ Recipe (`EagleRecipe`; the draft itself: specdec.eagle):
 5. Checkpoints (weights, optimizer, step, RNG, elapsed minutes, vocabulary) every few minutes in
    <work>/checkpoint.pt; `resume` continues. The output directory (and its RECIPE.md: the command,
    data, tokens seen, minutes) is rewritten at every checkpoint, so an interrupted run leaves a
-   usable draft.
+   usable draft. When the work folder is gone (a new machine) but the output directory is there,
+   `resume` warm-starts from it: its weights, step and minutes, a fresh optimizer with a new
+   warm-up, and the teacher starts where the earlier runs' teacher passes stopped in the seeded
+   order (new sequences first).
 
 Limitation: the gradient flows through the unrolled predictions; training is on the CPU
 (or wherever the target is) in float32.
@@ -32,6 +35,7 @@ Limitation: the gradient flows through the unrolled predictions; training is on 
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -41,9 +45,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from tqdm import tqdm
 
-from specdec.eagle import EagleDraft, build_eagle, save_eagle
+from specdec.eagle import VOCAB_FILE, WEIGHTS_FILE, EagleDraft, build_eagle, is_eagle_dir, save_eagle
 from specdec.errors import InvalidRequest
 from specdec.lm import CausalLM
 from specdec.training.medusa import Example, HiddenCache, build_hidden_cache, frequent_tokens
@@ -71,6 +76,7 @@ class EagleState:
     tokens_seen: int = 0  # training pairs (positions) at depth 1, summed over steps
     elapsed_s: float = 0.0  # teacher pass + training, across resumed runs
     teacher_s: float = 0.0  # of which the teacher pass
+    teacher_sequences: int = 0  # sequences whose features the teacher computed, over all runs
     # [(tokens seen, held-out top-1 agreement per drafting depth, held-out loss)]
     history: list = field(default_factory=list)
 
@@ -230,6 +236,22 @@ def recipe_markdown(meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def warm_start(out_dir: Path, recipe: EagleRecipe) -> Optional[tuple[EagleState, torch.Tensor, dict]]:
+    """(state, vocabulary, float32 weights) of the EAGLE directory an earlier run of this recipe
+    wrote, or None where there is none; another recipe's directory is refused."""
+    if not is_eagle_dir(out_dir):
+        return None
+    meta = json.loads((out_dir / VOCAB_FILE).read_text())
+    if meta.get("recipe") != asdict(recipe):
+        raise InvalidRequest(f"{out_dir} was made with another recipe: {meta.get('recipe')}; "
+                             "choose another --out or the same recipe")
+    state = EagleState(step=meta["steps"], tokens_seen=meta["tokens_seen"], elapsed_s=meta["train_minutes"] * 60,
+                       teacher_s=meta["teacher_minutes"] * 60, teacher_sequences=meta.get("teacher_sequences", 0),
+                       history=[tuple(h) for h in meta["history"]])
+    weights = {k: v.float() for k, v in load_file(str(out_dir / WEIGHTS_FILE)).items()}
+    return state, torch.tensor(meta["token_ids"], dtype=torch.long), weights
+
+
 def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work_dir: Path, *,
                 recipe: EagleRecipe = EagleRecipe(), target_name: Optional[str] = None,
                 time_budget_s: Optional[float] = None, max_steps: Optional[int] = None, resume: bool = False,
@@ -255,11 +277,14 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
     rng = random.Random(recipe.seed)
     state = EagleState()
     saved = torch.load(ckpt, weights_only=False) if resume and ckpt.exists() else None
+    warm = warm_start(out_dir, recipe) if resume and saved is None else None
     if saved is not None:
         if saved["recipe"] != asdict(recipe):
             raise InvalidRequest(f"{ckpt} was made with another recipe: {saved['recipe']}")
         state = EagleState(**saved["state"])
         token_ids = saved["token_ids"]
+    elif warm is not None:
+        state, token_ids = warm[0], warm[1]
     else:
         token_ids = frequent_tokens(examples, recipe.vocab, target.eos_token_ids)
 
@@ -267,11 +292,14 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
     t0 = time.monotonic()
     order = list(examples)
     random.Random(recipe.seed).shuffle(order)
+    cut = state.teacher_sequences % len(order)
+    order = order[cut:] + order[:cut]  # where earlier teacher passes stopped: new sequences first
     left = None if time_budget_s is None else max(0.0, time_budget_s - state.elapsed_s)
     cache = HiddenCache(work_dir / f"teacher-{recipe.max_seq}")
     if left is None or left > 0:
         added = build_hidden_cache(target, order, cache, recipe.max_seq, include_prompt=True,
                                    time_budget_s=None if left is None else left * teacher_share)
+        state.teacher_sequences += added
         if added:
             log(f"teacher: features of {added} new sequences cached")
     spent = time.monotonic() - t0
@@ -298,6 +326,11 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
         rng.setstate(saved["rng"])
         torch.set_rng_state(saved["torch_rng"])
         log(f"resumed at step {state.step} ({state.tokens_seen} positions, {state.elapsed_s / 60:.1f} min)")
+    elif warm is not None:
+        draft.load_state_dict(warm[2])
+        log(f"warm start from {out_dir} at step {state.step} ({state.tokens_seen} positions, "
+            f"{state.elapsed_s / 60:.1f} min): fresh optimizer, new warm-up")
+    rewarm_from = state.step if warm is not None else 0
 
     def progress() -> float:
         by_steps = state.step / max_steps if max_steps else 0.0
@@ -326,7 +359,8 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
         meta = {"target": target_name, "recipe": asdict(recipe), "command": command, "data": data_counts,
                 "train_sequences": len(train), "heldout_sequences": len(heldout), "steps": state.step,
                 "tokens_seen": state.tokens_seen, "train_minutes": round(state.elapsed_s / 60, 1),
-                "teacher_minutes": round(state.teacher_s / 60, 1), "history": state.history, "final": final}
+                "teacher_minutes": round(state.teacher_s / 60, 1), "teacher_sequences": state.teacher_sequences,
+                "history": state.history, "final": final}
         save_eagle(out_dir, draft, meta)
         (out_dir / "RECIPE.md").write_text(recipe_markdown(meta))
 
@@ -340,7 +374,7 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
             batch.append(s)
             pairs += len(s.tokens) - 1
         for g in opt.param_groups:
-            g["lr"] = lr_at(state.step, progress(), recipe)
+            g["lr"] = lr_at(state.step - rewarm_from, progress(), recipe)
         loss, agreement, n = unrolled_loss(draft, make_batch(batch, to_subset), recipe)
         opt.zero_grad()
         loss.backward()

@@ -3,7 +3,9 @@ backends), sampling follows the target's distribution, the loop hands the propos
 target's features, training learns, checkpoints and resumes, and drafts refuse other targets."""
 
 import copy
+import json
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -299,6 +301,24 @@ def test_training_lowers_the_loss_checkpoints_and_resumes(tiny_target, data_dir,
     recipe_md = (out / "RECIPE.md").read_text()
     assert "40 steps" in recipe_md and str(data_dir) in recipe_md
     load_eagle(out, tiny_target)  # the directory of the finished run loads
+
+
+def test_resume_on_a_new_machine_warm_starts_from_the_output_directory(tiny_target, data_dir, tmp_path):
+    """The work folder (checkpoint, teacher cache) is gone, as on a fresh machine; the draft
+    directory the run wrote is all that is left: resume goes on from it, not from scratch."""
+    out, lines = tmp_path / "draft", []
+    first = train_eagle(tiny_target, [data_dir], out, tmp_path / "work-1", recipe=RECIPE, max_steps=4,
+                        log=lambda _: None)
+    with pytest.raises(InvalidRequest, match="another recipe"):
+        train_eagle(tiny_target, [data_dir], out, tmp_path / "work-2", recipe=replace(RECIPE, lr=1e-3),
+                    max_steps=8, resume=True, log=lambda _: None)
+    second = train_eagle(tiny_target, [data_dir], out, tmp_path / "work-2", recipe=RECIPE, max_steps=8,
+                         resume=True, log=lines.append)
+    assert any(line.startswith("warm start from ") and "at step 4 " in line for line in lines)
+    assert second.step == 8 and second.tokens_seen > first.tokens_seen
+    assert second.teacher_sequences == 2 * first.teacher_sequences > 0  # the lost cache was computed again
+    assert len(second.history) == len(first.history) + 1
+    assert json.loads((out / "eagle_vocab.json").read_text())["steps"] == 8
 
 
 def test_a_draft_refuses_another_target(tiny_target, trained_dir, tmp_path):
