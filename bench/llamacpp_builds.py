@@ -26,7 +26,7 @@ import sys
 ONE = """
 import json, sys, time
 import torch
-from specdec.llamacpp.model import LlamaCppLM
+from specdec.backends.llamacpp.model import LlamaCppLM
 from specdec.models import embedded_gguf_path
 lm = LlamaCppLM(embedded_gguf_path(), threads=int(sys.argv[1]), context=1024)
 prompt = torch.randint(0, lm.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()

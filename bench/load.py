@@ -72,7 +72,7 @@ async def serve(role: str, port: int, redis_url: str, draft: str, target: str) -
     import torch
 
     torch.set_num_threads(1)
-    from specdec.models import perturbed_copy, tiny_llama
+    from specdec.testing import perturbed_copy, tiny_llama
     from specdec.rpc.serving import ServerSettings
 
     lm = tiny_llama(seed=0, vocab_size=VOCAB, num_layers=2, hidden_size=48, eos_token_id=None, max_positions=512)

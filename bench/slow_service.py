@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 
 class SlowLM:
-    """A model (specdec.lm.CausalLM or any backend) whose forward and prefill first sleep `delay_s`;
+    """A model (specdec.backends.hf.CausalLM or any backend) whose forward and prefill first sleep `delay_s`;
     everything else is the wrapped model's."""
 
     def __init__(self, lm, delay_s: float):

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import torch
 
 from specdec.errors import InvalidRequest, NotFound
-from specdec.lm import CausalLM
+from specdec.backends.hf import CausalLM
 from specdec.proposers.draft_model import DraftModelProposer, DraftRows
 from specdec.service.batching import MicroBatcher
 from specdec.service.metrics import ServiceMetrics

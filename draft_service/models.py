@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from specdec.errors import ModelLoadError
-from specdec.lm import CausalLM
+from specdec.backends.hf import CausalLM
 
 log = logging.getLogger("draft_service")
 FALLBACK_EARLY_EXIT_LAYERS = 4

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specdec.lm import CausalLM
+from specdec.backends.hf import CausalLM
 from specdec.rpc import convert
 from specdec.service.metrics import ServiceMetrics
 from specdec.rpc.serving import RunningServer, ServerSettings, start_server

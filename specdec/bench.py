@@ -332,8 +332,8 @@ def build_context(config: BenchConfig, target: Optional[LoadedModel] = None,
 
 def _resolve_auto(config: BenchConfig, target: LoadedModel, backend: str) -> str:
     """A backend name, "auto" resolved as `specdec generate` resolves it for its default method
-    (specdec.backend_choice: measured once per machine and kept)."""
-    from specdec.backend_choice import dual_gguf, faster_backend
+    (specdec.backends.choice: measured once per machine and kept)."""
+    from specdec.backends.choice import dual_gguf, faster_backend
     from specdec.engine import EngineConfig, default_cost_store
     from specdec.models import load_gguf_model, resolve_backend
 
@@ -365,19 +365,18 @@ def _llamacpp_engine(config: BenchConfig, draft: Optional[LoadedModel]):
 def _on_backend(loaded: LoadedModel, backend: str) -> LoadedModel:
     """The same weights behind another backend's adapter. Models the fast backend cannot run, and
     adapters with their own forward (e.g. subset-head drafts), stay as they are."""
-    from specdec.fast import supports_fast
-    from specdec.drafts import SubsetHeadLM
-    from specdec.fast import FastLlamaLM
-    from specdec.lm import CausalLM
+    from specdec.backends.fast import FastLlamaLM, supports_fast
+    from specdec.backends.hf import CausalLM
+    from specdec.backends.subset_head import SubsetHeadLM
 
     lm = loaded.lm
-    rows = lm.token_ids if isinstance(lm, SubsetHeadLM) else getattr(lm, "head_rows", None)
+    rows = lm.head_rows
     if backend == "hf":
-        if not isinstance(lm, FastLlamaLM):
+        if lm.backend not in ("fast", "fast-bf16"):
             return loaded
         hf = CausalLM(lm.model, lm.name) if rows is None else SubsetHeadLM(lm.model, rows, lm.name)
         return replace(loaded, lm=hf)
-    if type(lm) not in (CausalLM, SubsetHeadLM) or supports_fast(lm.config) is not None:
+    if lm.backend != "hf" or supports_fast(lm.config) is not None:
         return loaded
     if rows is not None:  # a subset-head draft: the fast forward scores the same rows
         return replace(loaded, lm=FastLlamaLM(lm.model, name=lm.name, head_rows=rows,

@@ -17,7 +17,7 @@ import torch
 
 from specdec.costmodel import best_k
 from specdec.errors import InvalidRequest
-from specdec.lm import CausalLM
+from specdec.backends.hf import CausalLM
 from specdec.prefix_cache import PrefixCache, remember, restore_longest
 from specdec.proposers.base import Proposer
 from specdec.sampling import draft_seed, make_generator, next_token

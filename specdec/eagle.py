@@ -11,7 +11,7 @@ position i, i.e. a feature and the token the target chose from it:
 
 The decoder layer is transformers' own `LlamaDecoderLayer` (and `LlamaRotaryEmbedding`), built
 from the target's config with one layer; the draft keeps its own KV cache of pairs
-(specdec.kv_cache.KVCache: a validity mask, so rolling back is marking slots invalid). Drafting
+(specdec.backends.kv_cache.KVCache: a validity mask, so rolling back is marking slots invalid). Drafting
 k tokens after the committed t_0..t_{L-1} (features f_0..f_{L-2} known): feed the pairs up to
 (f_{L-2}, t_{L-1}), which gives f^_{L-1} and the first token d_1; then feed (f^_{L-1}, d_1) ->
 f^_L -> d_2, and so on: where the true feature is not known yet, the draft's own prediction
@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from specdec.errors import IncompatibleModels, ModelLoadError
-from specdec.kv_cache import KVCache
-from specdec.lm import attention_inputs, scatter_subset_logits
+from specdec.backends.kv_cache import KVCache
+from specdec.backends.hf import attention_inputs, scatter_subset_logits
 
 SHIPPED_EAGLE = Path(__file__).parent / "assets" / "eagle"
 CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "eagle.safetensors", "eagle_vocab.json"

@@ -10,7 +10,7 @@ from typing import Callable, Optional, Sequence
 from specdec.costmodel import CostStore, target_local_method
 from specdec.decode import KSchedule, OnEmit, plain_generate, speculative_generate
 from specdec.errors import InvalidRequest
-from specdec.models import (LoadedModel, backend_name, check_compatible, format_prompt, load_model,
+from specdec.models import (LoadedModel, check_compatible, format_prompt, load_model,
                             user_cost_store)
 from specdec.prefix_cache import PrefixCache
 from specdec.proposers import PLAIN, ProposerEnv, ProposerFactory, load_proposer, method_names
@@ -31,8 +31,8 @@ class EngineConfig:
     # where measured costs (v(k), the draft cost c) are kept across runs (None: ~/.cache/specdec/costs)
     cost_cache: Optional[Path] = None
     # How the target runs (models.BACKENDS). "auto": for the embedded default, whichever of llama.cpp
-    # (its GGUF) and the float32 fast forward measures faster here for the methods below (specdec.
-    # backend_choice); for other models the fast forward for float32 Llama-family models on CPU, else hf.
+    # (its GGUF) and the float32 fast forward measures faster here for the methods below
+    # (specdec.backends.choice); for other models the fast forward for float32 Llama-family models on CPU, else hf.
     backend: str = "auto"
     # The methods this engine will be asked for: backend "auto" picks one that runs them all (Lookahead
     # needs a torch backend; Medusa runs a chain on llama.cpp); () = not said: the measured choice, as
@@ -102,7 +102,7 @@ class Engine:
         self.config = config
         self.costs = costs or default_cost_store(config)
         if config.backend == "auto":
-            from specdec.backend_choice import load_fastest
+            from specdec.backends.choice import load_fastest
 
             self.target: LoadedModel = load_fastest(config.target, config.methods, self.costs, config.cache_dir)
         else:
@@ -132,7 +132,7 @@ class Engine:
     @property
     def backend(self) -> str:
         """The backend the target runs on ("auto" resolved): llamacpp, fast or hf."""
-        return backend_name(self.target.lm)
+        return self.target.lm.backend
 
     def require_draft(self) -> LoadedModel:
         """The configured draft, else (loaded once) the draft shipped for the target."""

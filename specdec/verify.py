@@ -21,9 +21,9 @@ from typing import Optional, Sequence
 import torch
 
 from specdec.acceptance import greedy_accept, rejection_sample, tree_rejection_sample, typical_accept
-from specdec.kv_cache import KVCache
-from specdec.kv_stack import split_cache, stack_caches
-from specdec.lm import CausalLM
+from specdec.backends.kv_cache import KVCache
+from specdec.backends.kv_stack import split_cache, stack_caches
+from specdec.backends.hf import CausalLM
 from specdec.sampling import logits_to_probs, next_token
 from specdec.tree import block_mask, chain_parents, depths, greedy_walk
 from specdec.types import Proposal, SamplingParams, Verdict
@@ -168,7 +168,7 @@ def greedy_stepper(target: CausalLM, sampling: SamplingParams, rows: int, want_s
     _plain_step both ask here)."""
     if rows != 1 or want_states or not sampling.greedy:
         return None
-    return getattr(target, "greedy_step", None)
+    return target.greedy_step if target.greedy_steps else None
 
 
 def verify_sessions(target: CausalLM, caches: Sequence[KVCache], rows: Sequence[RowStep],
@@ -180,7 +180,7 @@ def verify_sessions(target: CausalLM, caches: Sequence[KVCache], rows: Sequence[
     alone; a new one when the caches had to be stacked)."""
     if len(caches) == 1:
         return verify_step(target, caches[0], rows, want_hidden), list(caches)
-    if not getattr(target, "stacks_caches", True):  # llama.cpp: each session's own context, see run_each
+    if not target.stacks_caches:  # llama.cpp: each session's own context, see run_each
         steps = [lambda c=c, r=r: verify_step(target, c, [r], want_hidden)[0] for c, r in zip(caches, rows)]
         return target.run_each(steps, caches), list(caches)
     stacked = stack_caches(caches, target.new_cache)

@@ -49,7 +49,7 @@ def load_target(args: argparse.Namespace):
     """The target model the flags name -> specdec.models.LoadedModel. `--backend auto` on the CPU
     means what it means for `specdec generate`: for a target that both llama.cpp and torch run (the
     embedded default), whichever serves a typical request faster here, measured once and kept
-    (specdec.backend_choice); llama.cpp only after its probe passed on this machine and build."""
+    (specdec.backends.choice); llama.cpp only after its probe passed on this machine and build."""
     apply_threads(args)
     from specdec.engine import EngineConfig, default_cost_store
     from specdec.models import load_model
@@ -58,7 +58,7 @@ def load_target(args: argparse.Namespace):
     config = EngineConfig(target=args.target, backend=args.backend)
     costs = default_cost_store(config, notify=logging.getLogger("target_service").info)
     if args.backend == "auto" and device == "cpu":
-        from specdec.backend_choice import load_fastest
+        from specdec.backends.choice import load_fastest
 
         return load_fastest(args.target, ("auto",), costs)
     return load_model(args.target, device=device, dtype=dtype, backend=args.backend, costs=costs)

@@ -24,7 +24,7 @@ import torch
 from specdec.costmodel import CostStore
 from specdec.decode import KSchedule, RowProgress
 from specdec.errors import FailedPrecondition, InvalidRequest, NotFound
-from specdec.lm import CausalLM
+from specdec.backends.hf import CausalLM
 from specdec.prefix_cache import PrefixCache, remember, restore_longest
 from specdec.models import user_cost_store
 from specdec.proposers import PROPOSERS, Proposer, ProposerEnv, ProposerFactory, load_proposer

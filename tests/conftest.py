@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from specdec.costmodel import CostStore
-from specdec.kv_cache import KVCache
-from specdec.lm import CausalLM
-from specdec.models import perturbed_copy, tiny_llama
+from specdec.backends.kv_cache import KVCache
+from specdec.backends.hf import CausalLM
+from specdec.testing import perturbed_copy, tiny_llama
 
 TIE_TOLERANCE = 1e-4
 
@@ -32,9 +32,9 @@ def gguf_copy(lm: CausalLM, path: Path, threads: int = 1, context=None):
     """The same weights written as a GGUF file at `path` (float32) and loaded on llama.cpp, after
     its probe (a child process): a llama.cpp build that crashes fails the test with one line
     instead of killing the test run."""
-    from specdec.llamacpp import LlamaCppLM
-    from specdec.llamacpp.convert import write_llama_gguf
-    from specdec.llamacpp.probe import require_usable, torch_reference
+    from specdec.backends.llamacpp import LlamaCppLM
+    from specdec.backends.llamacpp.convert import write_llama_gguf
+    from specdec.backends.llamacpp.probe import require_usable, torch_reference
     from specdec.models import user_cost_store
 
     path = write_llama_gguf(lm.model, path)

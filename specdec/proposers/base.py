@@ -21,7 +21,7 @@ from specdec.types import Proposal, ProposeContext, Verdict
 
 if TYPE_CHECKING:
     from specdec.costmodel import CostStore
-    from specdec.lm import CausalLM
+    from specdec.backends.hf import CausalLM
 
 PLAIN = "plain"
 
@@ -91,7 +91,7 @@ def needs_trees(method: str) -> bool:
 
 def check_runs(method: str, target: "CausalLM") -> None:
     """Refuse, with a message that says what to do, a method this target cannot run."""
-    if needs_trees(method) and not getattr(target, "runs_trees", True):
+    if needs_trees(method) and not target.runs_trees:
         raise InvalidRequest(f"method {method} verifies tree blocks, which {target.name} on this backend does not "
                              "run (llama.cpp runs causal chains only): use backend fast or hf, or auto")
 

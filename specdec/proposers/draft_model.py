@@ -15,9 +15,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from specdec.kv_cache import KVCache
-from specdec.kv_stack import split_cache, stack_caches
-from specdec.lm import CausalLM
+from specdec.backends.kv_cache import KVCache
+from specdec.backends.kv_stack import split_cache, stack_caches
+from specdec.backends.hf import CausalLM
 from specdec.proposers.base import Proposer, ProposerEnv, ProposerFactory, register
 from specdec.sampling import logits_to_probs, sample_rows
 from specdec.types import Proposal, ProposeContext, SamplingParams

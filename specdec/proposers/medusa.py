@@ -30,7 +30,7 @@ import torch
 
 from specdec.costmodel import CostStore, verify_cost_at
 from specdec.errors import InvalidRequest, ModelLoadError
-from specdec.lm import CausalLM
+from specdec.backends.hf import CausalLM
 from specdec.medusa_heads import MedusaHeads, load_heads, shipped_heads_dir
 from specdec.proposers.base import Proposer, ProposerEnv, ProposerFactory, register
 from specdec.tree import (CompiledTree, best_tree_for_cost, chain_tree, compile_tree, expected_accept_length,
@@ -45,7 +45,7 @@ def resolve_tree(spec, heads: MedusaHeads, target: Optional[CausalLM] = None,
     """A tree setting (see the module docstring) -> list of paths for these heads. "auto" uses
     the verify cost of `target` when given (from `costs`; default: measured in this process)."""
     cfg = heads.config
-    if target is not None and not getattr(target, "runs_trees", True):
+    if target is not None and not target.runs_trees:
         return _chain_for(spec, heads, target, costs)
     if spec is None or spec == "auto":
         if cfg.accuracy and target is not None:
@@ -113,8 +113,7 @@ class MedusaProposer(Proposer):
         self.vocab_ids = heads.vocab_ids  # [subset] or None
         # [subset or vocab, hidden]: the output rows the heads may draft, gathered once.
         self.weight = weight[self.vocab_ids] if self.vocab_ids is not None else weight
-        module = getattr(target, "model", None)  # a transformers model (the llama.cpp backend has no bias)
-        self.bias = getattr(module.get_output_embeddings(), "bias", None) if module is not None else None
+        self.bias = target.output_bias()  # [vocab] or None
         if self.bias is not None and self.vocab_ids is not None:
             self.bias = self.bias[self.vocab_ids]
         try:

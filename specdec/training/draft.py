@@ -18,7 +18,6 @@ Recipe (chosen by measurement, see the README's draft section):
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
@@ -30,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from specdec.drafts import build_from_target, save_draft
-from specdec.lm import CausalLM
+from specdec.backends.hf import CausalLM
 from specdec.training.selfdistill import read_parts
 
 

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 from specdec.costmodel import measure_forward_times, measure_verify_cost, predicted_speedup
 from specdec.decode import plain_generate, speculative_generate
-from specdec.lm import CausalLM
+from specdec.backends.hf import CausalLM
 from specdec.proposers import DraftModelProposer
 from specdec.types import StopConditions
 
@@ -85,8 +85,6 @@ def agreement(target: CausalLM, draft: CausalLM, prompt: list[int], answer: list
 
 def evaluate_draft(target: CausalLM, draft: CausalLM, prompts: Sequence[tuple[str, list[int]]], k: int = 4,
                    max_new_tokens: int = 64) -> tuple[list[CategoryReport], dict]:
-    import torch
-
     from specdec.costmodel import quick_draft_cost, quick_verify_cost, thread_cpu_time_applies, timer
     from specdec.decode import KSchedule
 

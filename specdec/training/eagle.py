@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from specdec.eagle import VOCAB_FILE, WEIGHTS_FILE, EagleDraft, build_eagle, is_eagle_dir, save_eagle
 from specdec.errors import InvalidRequest
-from specdec.lm import CausalLM
+from specdec.backends.hf import CausalLM
 from specdec.training.medusa import Example, HiddenCache, build_hidden_cache, frequent_tokens
 from specdec.training.selfdistill import read_parts
 

@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from specdec.errors import InvalidRequest
-from specdec.lm import CausalLM
+from specdec.backends.hf import CausalLM
 from specdec.medusa_heads import HeadsConfig, MedusaHeads, new_heads, save_heads
 
 

@@ -19,7 +19,7 @@ import torch
 
 from specdec.costmodel import thread_cpu_time_applies, timer
 from specdec.decode import plain_generate, speculative_generate
-from specdec.lm import CausalLM
+from specdec.backends.hf import CausalLM
 from specdec.medusa_heads import MedusaHeads
 from specdec.prompt_sets import DEV_PROMPTS, read_prompt_rows
 from specdec.training.medusa import head_labels

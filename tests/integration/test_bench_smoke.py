@@ -6,7 +6,8 @@ import pytest
 
 from specdec.bench import BASELINE, BenchConfig, BenchPrompt, run_bench, select_rows, summarize, RunRecord
 from specdec.errors import InvalidRequest
-from specdec.models import LoadedModel, perturbed_copy, tiny_llama
+from specdec.models import LoadedModel
+from specdec.testing import perturbed_copy, tiny_llama
 
 PROMPTS = [BenchPrompt("a", "code", (3, 4, 5, 6, 3, 4, 5)), BenchPrompt("b", "chat", (9, 8, 7, 9, 8))]
 
@@ -111,8 +112,9 @@ def test_bench_runs_a_specdec_draft_directory_on_both_backends(tmp_path):
     import torch
 
     from specdec.bench import _on_backend, load_draft_for_bench
-    from specdec.drafts import SubsetHeadLM, build_from_target, save_draft
-    from specdec.fast import FastLlamaLM
+    from specdec.backends.subset_head import SubsetHeadLM
+    from specdec.drafts import build_from_target, save_draft
+    from specdec.backends.fast import FastLlamaLM
 
     target = LoadedModel(tiny_llama(seed=0, vocab_size=96, num_layers=2, hidden_size=48), None, "tiny")
     save_draft(tmp_path / "d", build_from_target(target.lm, [0]), torch.arange(0, 96, 2), {"target": "tiny"},

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from specdec.decode import plain_generate, speculative_generate
-from specdec.fast import FastLlamaLM
-from specdec.lm import CausalLM
+from specdec.backends.fast import FastLlamaLM
+from specdec.backends.hf import CausalLM
 from specdec.proposers import PromptLookupProposer
 from specdec.types import StopConditions
 from tests.conftest import assert_greedy_equal

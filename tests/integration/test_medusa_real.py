@@ -6,7 +6,8 @@ import pytest
 from specdec.decode import plain_generate, speculative_generate
 from specdec.errors import IncompatibleModels
 from specdec.medusa_heads import load_heads, read_config, shipped_heads_dir
-from specdec.models import DEFAULT_TARGET, tiny_llama
+from specdec.models import DEFAULT_TARGET
+from specdec.testing import tiny_llama
 from specdec.proposers.medusa import MedusaProposer
 from specdec.types import StopConditions
 from tests.conftest import assert_greedy_equal

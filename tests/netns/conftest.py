@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.models import perturbed_copy, tiny_llama
+from specdec.testing import perturbed_copy, tiny_llama
 from specdec.app.launcher import find_redis_server
 from specdec.rpc.security import ClientTLS, token_hash
 from tests.tlscerts import make_ca

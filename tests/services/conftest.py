@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.models import perturbed_copy, tiny_llama
+from specdec.testing import perturbed_copy, tiny_llama
 from specdec.app.launcher import RedisServer
 
 

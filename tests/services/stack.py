@@ -13,7 +13,7 @@ from coordinator.core import CoordinatorSettings
 from coordinator.servicer import start_coordinator_server
 from draft_service.core import DraftSettings
 from draft_service.servicer import start_draft_server
-from specdec.lm import CausalLM
+from specdec.backends.hf import CausalLM
 from specdec.rpc.clients import CoordinatorClient
 from specdec.service.metrics import ServiceMetrics
 from specdec.rpc.security import ClientTLS

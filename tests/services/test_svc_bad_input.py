@@ -145,7 +145,7 @@ def test_an_overloaded_target_answers_resource_exhausted(redis_url, long_target)
 
 def test_a_draft_with_another_vocabulary_is_refused_and_the_target_decodes_alone(redis_url, long_target):
     from specdec.decode import plain_generate
-    from specdec.models import tiny_llama
+    from specdec.testing import tiny_llama
     from specdec.types import StopConditions
 
     other_vocab = tiny_llama(seed=5, vocab_size=80, num_layers=1, hidden_size=32)

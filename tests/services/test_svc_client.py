@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from coordinator.servicer import start_coordinator_server
-from specdec.models import tiny_llama
+from specdec.testing import tiny_llama
 from specdec.rpc.clients import CoordinatorClient
 from specdec.app.launcher import free_port
 from specdec.rpc.serving import ServerSettings

@@ -9,7 +9,7 @@ import math
 import grpc
 import pytest
 
-from specdec.models import tiny_llama
+from specdec.testing import tiny_llama
 from specdec.rpc import convert
 from specdec.rpc.clients import CoordinatorClient
 from specdec.rpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc

@@ -73,7 +73,7 @@ def test_auto_without_draft_replicas_falls_back_to_the_target(redis_url, long_ta
 def _on_backend(lm, backend):
     if backend == "hf":
         return lm
-    from specdec.fast import FastLlamaLM
+    from specdec.backends.fast import FastLlamaLM
 
     return FastLlamaLM(copy.deepcopy(lm.model), name=lm.name)
 

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from coordinator.servicer import PUBLIC_MAX_MESSAGE_BYTES, SERVICE_NAME
 from specdec.decode import plain_generate
-from specdec.models import tiny_llama
+from specdec.testing import tiny_llama
 from specdec.rpc.security import token_hash
 from specdec.rpc.serving import ServerSettings
 from specdec.rpc.v1 import common_pb2, coordinator_pb2

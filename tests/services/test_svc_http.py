@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from coordinator.servicer import start_coordinator_server
 from specdec.decode import plain_generate
-from specdec.models import perturbed_copy, tiny_llama
+from specdec.testing import perturbed_copy, tiny_llama
 from specdec.app.launcher import free_port
 from specdec.rpc.security import ServerTLS, token_hash
 from specdec.rpc.serving import ServerSettings

@@ -68,7 +68,7 @@ def test_the_draft_service_refuses_llamacpp_with_what_to_do_instead():
 
 def test_sessions_verified_together_on_two_threads_run_side_by_side_and_stay_exact(redis_url, gguf_target, good_draft):
     """With t threads, up to t sessions' steps run at once, each on its own context (run_each)."""
-    from specdec.llamacpp import LlamaCppLM
+    from specdec.backends.llamacpp import LlamaCppLM
 
     two = LlamaCppLM(gguf_target.path, threads=2, context=512)
     seen = []

@@ -14,7 +14,8 @@ import urllib.request
 import pytest
 
 from specdec.decode import plain_generate
-from specdec.models import load_model, perturbed_copy, tiny_llama
+from specdec.models import load_model
+from specdec.testing import perturbed_copy, tiny_llama
 from specdec.rpc.clients import CoordinatorClient, ServiceClient
 from specdec.app.launcher import _wait_serving, die_with_parent, free_port, stop_processes
 from specdec.types import StopConditions

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from specdec.decode import plain_generate
-from specdec.models import perturbed_copy, tiny_llama
+from specdec.testing import perturbed_copy, tiny_llama
 from specdec.rpc.clients import CoordinatorClient
 from specdec.app.launcher import free_port
 from specdec.types import StopConditions

@@ -1,4 +1,4 @@
-"""The core's batched verification step (specdec/verify.py) and KV stacking (specdec/kv_stack.py)."""
+"""The core's batched verification step (specdec/verify.py) and KV stacking (specdec/backends/kv_stack.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec.decode import plain_generate
-from specdec.kv_stack import split_cache, stack_caches
+from specdec.backends.kv_stack import split_cache, stack_caches
 from specdec.sampling import make_generator
 from specdec.types import Proposal, SamplingParams, StopConditions
 from specdec.verify import RowStep, load_committed, verify_sessions
@@ -26,7 +26,7 @@ def target(request, tiny_target):
     stores slots differently): services stack either kind."""
     if request.param == "hf":
         return tiny_target
-    from specdec.fast import FastLlamaLM
+    from specdec.backends.fast import FastLlamaLM
 
     return FastLlamaLM(copy.deepcopy(tiny_target.model), name="fast")
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from specdec.backend_choice import load_faster
+from specdec.backends.choice import load_faster
 from specdec.costmodel import CostStore
 from specdec.engine import Engine
 from specdec.models import LoadedModel

@@ -5,7 +5,7 @@ import pytest
 from specdec.cli import main
 from specdec.decode import KSchedule, plain_generate, speculative_generate
 from specdec.errors import InvalidRequest
-from specdec.models import tiny_llama
+from specdec.testing import tiny_llama
 from specdec.proposers import PromptLookupProposer
 from specdec.types import StopConditions
 

@@ -8,7 +8,7 @@ import pytest
 from specdec.decode import plain_generate, speculative_generate
 from specdec.drafts import is_draft_dir, load_draft
 from specdec.errors import IncompatibleModels
-from specdec.models import tiny_llama
+from specdec.testing import tiny_llama
 from specdec.proposers import DraftModelProposer
 from specdec.training.draft import DraftRecipe, train_draft
 from specdec.training.selfdistill import write_part
@@ -61,8 +61,9 @@ def test_draft_runs_alike_on_both_backends(tiny_target, tmp_path):
     """The fast forward of a subset-head draft scores the same tokens as the transformers one."""
     import torch
 
-    from specdec.drafts import SubsetHeadLM, build_from_target, save_draft
-    from specdec.fast import FastLlamaLM
+    from specdec.backends.subset_head import SubsetHeadLM
+    from specdec.drafts import build_from_target, save_draft
+    from specdec.backends.fast import FastLlamaLM
 
     subset = torch.arange(0, 96, 3)
     save_draft(tmp_path / "d", build_from_target(tiny_target, [1, 0]), subset, {"target": "tiny"},

@@ -15,8 +15,9 @@ from specdec.decode import KSchedule, plain_generate, speculative_generate
 from specdec.eagle import build_eagle, is_eagle_dir, load_eagle, save_eagle
 from specdec.engine import Engine, EngineConfig
 from specdec.errors import FailedPrecondition, IncompatibleModels, InvalidRequest, ModelLoadError
-from specdec.fast import FastLlamaLM
-from specdec.models import LoadedModel, perturbed_copy, tiny_llama
+from specdec.backends.fast import FastLlamaLM
+from specdec.models import LoadedModel
+from specdec.testing import perturbed_copy, tiny_llama
 from specdec.proposers import DraftModelProposer, EagleProposer, ProposerEnv, load_proposer
 from specdec.proposers.eagle import feature_start
 from specdec.training.eagle import EagleRecipe, make_batch, train_eagle, unroll_mask, unrolled_outputs
@@ -67,8 +68,6 @@ def gguf_target(tiny_target, tmp_path_factory):
 def targets(tiny_target, fast_target, gguf_target):
     """The same weights on each backend: transformers, specdec's fast forward, llama.cpp (float32 GGUF)."""
     return {"hf": tiny_target, "fast": fast_target, "llamacpp": gguf_target}
-
-
 
 
 # --- greedy: lossless ---------------------------------------------------------------------------

@@ -8,9 +8,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.decode import plain_generate, speculative_generate
 from specdec.errors import ModelLoadError
-from specdec.fast import FastKVCache, FastLlamaLM, supports_fast
-from specdec.fast.llama import _linear
-from specdec.lm import CausalLM
+from specdec.backends.fast import FastKVCache, FastLlamaLM, supports_fast
+from specdec.backends.fast import _linear
+from specdec.backends.hf import CausalLM
 from specdec.proposers import DraftModelProposer, PromptLookupProposer
 from specdec.tree import block_mask, depths
 from specdec.types import StopConditions
@@ -184,7 +184,7 @@ def test_refuses_a_cache_from_another_backend(pair, tiny_target):
 def test_fused_rms_norm_equals_transformers_rms_norm_bitwise():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from specdec.fast.llama import _rms_norm
+    from specdec.backends.fast import _rms_norm
 
     norm = LlamaRMSNorm(576, eps=1e-5)
     with torch.no_grad():

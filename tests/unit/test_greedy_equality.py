@@ -15,8 +15,6 @@ def _proposer(name, draft):
     return DraftModelProposer(draft) if name == "draft_model" else PromptLookupProposer()
 
 
-
-
 @pytest.mark.parametrize("k", [1, 3, 8])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("name", ["draft_model", "prompt_lookup"])
@@ -64,7 +62,7 @@ def test_cost_aware_k_keeps_output_and_follows_the_acceptance_rate(tiny_target, 
     got = check_greedy(tiny_target, DraftModelProposer(tiny_target), PROMPTS, StopConditions(max_new_tokens=40), schedule)
     assert min(g.stats.tau for g in got) > 2.5  # k grew with the (perfect) acceptance
     # a draft that disagrees with the target on most tokens: it stops drafting, output unchanged
-    from specdec.models import perturbed_copy
+    from specdec.testing import perturbed_copy
 
     bad = perturbed_copy(tiny_target, noise=3.0, seed=7)
     got = check_greedy(tiny_target, DraftModelProposer(bad), PROMPTS, StopConditions(max_new_tokens=40),

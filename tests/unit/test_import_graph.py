@@ -2,7 +2,11 @@
 of the house are separate packages, layered, without a cycle.
 
 Layers, lowest first; a module may import its own layer and those below, never one above:
-  core      specdec/ (algorithms, models, backends, training) outside the packages below
+  base      specdec.errors
+  backends  specdec/backends/: the model protocol and one module per backend (hf, fast, llamacpp,
+            subset-head drafts) with their caches; not the measured choice between them
+            (specdec.backends.choice loads models: it sits with the core)
+  core      specdec/ (algorithms, model loading, training) outside the packages below
   runtime   specdec/service/: batching, session table, metrics: the services' grpc-free runtime
   wire      specdec/rpc/: generated stubs, conversion, serving, clients, security
   services  draft_service/, target_service/, coordinator/
@@ -17,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("specdec", "draft_service", "target_service", "coordinator")
-LAYERS = ("core", "runtime", "wire", "services", "app")
+LAYERS = ("base", "backends", "core", "runtime", "wire", "services", "app")
 APP_MODULES = {"specdec.cli", "specdec.__main__", "specdec.bench_cli"}
 
 
@@ -75,6 +79,10 @@ def top_level_imports(path: Path, name: str, known: set[str]) -> set[str]:
 
 
 def layer(name: str) -> str:
+    if name == "specdec.errors":
+        return "base"
+    if name.startswith("specdec.backends") and name != "specdec.backends.choice":
+        return "backends"
     if name in APP_MODULES or name.startswith("specdec.app"):
         return "app"
     if name.startswith("specdec.service"):
@@ -96,6 +104,39 @@ def test_nothing_imports_a_layer_above_its_own():
     up = sorted(f"{a} ({layer(a)}) imports {b} ({layer(b)})" for a, deps in g.items() for b in deps
                 if LAYERS.index(layer(b)) > LAYERS.index(layer(a)))
     assert not up, "\n".join(up)
+
+
+def test_the_backends_are_a_package_of_their_own():
+    g = graph()
+    backends = {m for m in g if layer(m) == "backends"}
+    assert {"specdec.backends.base", "specdec.backends.hf", "specdec.backends.fast", "specdec.backends.llamacpp.model",
+            "specdec.backends.subset_head", "specdec.backends.kv_cache"} <= backends
+    outside = [m for m in g if m.rsplit(".", 1)[-1] in ("lm", "fast", "llamacpp", "kv_cache", "kv_stack", "backend_choice")
+               and not m.startswith("specdec.backends")]
+    assert not outside, outside
+
+
+CAPABILITIES = ("returns_hidden", "runs_trees", "stacks_caches", "greedy_steps", "greedy_step", "head_rows", "backend")
+BACKEND_CLASSES = ("CausalLM", "FastLlamaLM", "LlamaCppLM", "SubsetHeadLM")
+
+
+def test_nothing_outside_the_backends_probes_what_a_model_is():
+    """Capabilities are declared (specdec.backends.base.ModelBackend) and read as attributes: no
+    getattr with a default on them and no isinstance on backend classes outside specdec/backends."""
+    found = []
+    for name, path in hand_written().items():
+        if name.startswith("specdec.backends"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
+                continue
+            if node.func.id in ("getattr", "hasattr") and len(node.args) >= 2 and \
+                    isinstance(node.args[1], ast.Constant) and node.args[1].value in CAPABILITIES:
+                found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+            if node.func.id == "isinstance" and len(node.args) == 2 and \
+                    any(c in ast.unparse(node.args[1]) for c in BACKEND_CLASSES):
+                found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    assert not found, "\n".join(found)
 
 
 def test_the_service_runtime_is_a_package_of_its_own_and_the_wire_holds_no_runtime():

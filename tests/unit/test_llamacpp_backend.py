@@ -153,7 +153,7 @@ def test_a_greedy_step_is_a_forward_and_its_argmax(gguf_target):
 def test_the_target_services_warm_up_leaves_a_context_for_the_first_session(gguf_target):
     """target_service.core.warm_up runs before the service serves: the first session's cache
     takes the context it made instead of making one (~40 ms on the real model)."""
-    from specdec.llamacpp.model import LlamaCppLM
+    from specdec.backends.llamacpp.model import LlamaCppLM
     from target_service.core import warm_up
 
     fresh = LlamaCppLM(gguf_target.path, threads=1)  # (no idle context yet)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdec.llamacpp.blocks import NotATree, block_parents, depths_of, kept_path_end
+from specdec.backends.llamacpp.blocks import NotATree, block_parents, depths_of, kept_path_end
 from specdec.tree import block_mask
 
 

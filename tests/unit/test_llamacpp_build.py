@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.llamacpp.build import library_files
+from specdec.backends.llamacpp.build import library_files
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = ROOT / "scripts" / "llama-cmake-args.sh"

@@ -11,12 +11,13 @@ import sys
 
 import pytest
 
-from specdec.backend_choice import faster_backend
+from specdec.backends.choice import faster_backend
 from specdec.costmodel import CostStore
-from specdec.llamacpp import model as llmodel
-from specdec.llamacpp.convert import write_llama_gguf
-from specdec.llamacpp.probe import ChildRun, LlamaCppUnusable, judge, probe, require_usable, spawn_child, torch_reference
-from specdec.models import LoadedModel, tiny_llama
+from specdec.backends.llamacpp import model as llmodel
+from specdec.backends.llamacpp.convert import write_llama_gguf
+from specdec.backends.llamacpp.probe import ChildRun, LlamaCppUnusable, judge, probe, require_usable, spawn_child, torch_reference
+from specdec.models import LoadedModel
+from specdec.testing import tiny_llama
 
 SEGV = [sys.executable, "-c", "import ctypes; ctypes.string_at(0)"]
 HANG = [sys.executable, "-c", "import time; time.sleep(60)"]

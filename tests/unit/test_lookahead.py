@@ -8,7 +8,7 @@ import torch
 
 from specdec.decode import plain_generate, speculative_generate
 from specdec.errors import InvalidRequest
-from specdec.models import tiny_llama
+from specdec.testing import tiny_llama
 from specdec.proposers.lookahead import (LookaheadConfig, LookaheadProposer, advance_window, build_trie, window_cells,
                                          window_mask, window_ngrams)
 from specdec.types import ProposeContext, SamplingParams, StopConditions

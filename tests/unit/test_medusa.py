@@ -12,7 +12,7 @@ import torch
 from specdec.decode import plain_generate, speculative_generate
 from specdec.errors import IncompatibleModels, InvalidRequest, ModelLoadError
 from specdec.medusa_heads import load_heads, new_heads, read_config, save_heads
-from specdec.models import tiny_llama
+from specdec.testing import tiny_llama
 from specdec.proposers.medusa import MedusaProposer
 from specdec.tree import compile_tree
 from specdec.training.medusa import Example, MedusaRecipe, train_medusa
@@ -261,7 +261,6 @@ def test_a_branching_medusa_tree_on_llamacpp_is_refused_with_what_to_use(gguf_ti
     heads = load_heads(tiny_heads_dir, gguf_tiny)
     with pytest.raises(InvalidRequest, match="causal chains only.*--tree auto or chain"):
         MedusaProposer(gguf_tiny, heads, NARROW)
-
 
 
 def test_medusa_on_llamacpp_where_drafting_does_not_pay_reads_no_hidden_state(gguf_tiny, tiny_heads_dir):

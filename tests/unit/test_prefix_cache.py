@@ -50,7 +50,7 @@ def test_least_recently_used_entries_go_first_and_their_prefixes_stay_served_by_
 
 
 def _backends(tiny_target, tmp_path_factory):
-    from specdec.fast import FastLlamaLM
+    from specdec.backends.fast import FastLlamaLM
 
     return {"hf": tiny_target, "fast": FastLlamaLM(tiny_target.model, name="tiny-fast"),
             "llamacpp": gguf_copy(tiny_target, tmp_path_factory.mktemp("gguf") / "t.gguf", context=256)}
@@ -64,7 +64,7 @@ def backends(tiny_target, tmp_path_factory):
 @pytest.fixture(scope="module")
 def endless(tmp_path_factory):
     """The backends over a tiny target without an EOS token: answers run to their length."""
-    from specdec.models import tiny_llama
+    from specdec.testing import tiny_llama
 
     return _backends(tiny_llama(seed=0, vocab_size=96, num_layers=2, hidden_size=48, eos_token_id=None),
                      tmp_path_factory)

@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdec.decode import plain_generate, speculative_generate
-from specdec.models import perturbed_copy, tiny_llama
+from specdec.testing import perturbed_copy, tiny_llama
 from specdec.proposers import DraftModelProposer, PromptLookupProposer
 from specdec.types import SamplingParams, StopConditions
 from tests.conftest import full_logits, gguf_copy

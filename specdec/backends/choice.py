@@ -73,11 +73,11 @@ def faster_backend(gguf: Path, costs: CostStore, loaders: dict[str, Callable[[],
     from `costs`. gguf: the target's file (its identity is part of the key).
 
     llama.cpp is a candidate only once `check_llamacpp()` returns (default: its probe in a child
-    process against the "fast" model's greedy tokens, specdec.llamacpp.probe, kept in `costs`);
+    process against the "fast" model's greedy tokens, specdec.backends.llamacpp.probe, kept in `costs`);
     where it raises LlamaCppUnusable, its one line is said (costs.notify, else a warning) and
     the answer is "fast"."""
-    from specdec.llamacpp.model import gguf_identity
-    from specdec.llamacpp.probe import LlamaCppUnusable, require_usable, torch_reference
+    from specdec.backends.llamacpp.model import gguf_identity
+    from specdec.backends.llamacpp.probe import LlamaCppUnusable, require_usable, torch_reference
 
     loaded = {} if loaded is None else loaded
 

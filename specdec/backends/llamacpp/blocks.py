@@ -1,10 +1,10 @@
-"""Block masks as llama.cpp can run them (pure functions, for specdec.llamacpp.model).
+"""Block masks as llama.cpp can run them (pure functions, for specdec.backends.llamacpp.model).
 
 llama.cpp takes no attention mask: an input sees the cached entries of its sequence id at
 positions up to its own. A causal chain needs nothing more. A tree could be expressed by giving
 each leaf a sequence id and each input the ids of the leaves below it (llama.cpp's
 `examples/speculative` does), which `block_parents` recognises; the backend refuses trees for now
-(see specdec.llamacpp.model). `kept_path_end` checks what a rollback keeps.
+(see specdec.backends.llamacpp.model). `kept_path_end` checks what a rollback keeps.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A GGUF model run by llama.cpp (through `llama-cpp-python`'s low-level API) behind the engine's
 model interface: `new_cache`, `prefill`, `forward(cache, ids, block_mask, depth, input_valid,
-logits_at, want_hidden)`, the same shapes as specdec.lm.CausalLM.
+logits_at, want_hidden)`, the same shapes as specdec.backends.hf.CausalLM.
 
 - The model's weights are loaded once; each cache is a llama.cpp context whose rows are
   sequence ids with a KV stream each (`kv_unified = false`): no row's entries sit among
@@ -36,9 +36,9 @@ import numpy as np
 import torch
 
 from specdec.errors import InvalidRequest, ModelLoadError
-from specdec.lm import ForwardOutput
-from specdec.llamacpp.blocks import NotATree, block_parents, kept_path_end
-from specdec.llamacpp.build import build_identity
+from specdec.backends.hf import ForwardOutput
+from specdec.backends.llamacpp.blocks import NotATree, block_parents, kept_path_end
+from specdec.backends.llamacpp.build import build_identity
 
 
 def _lib():
@@ -214,8 +214,19 @@ class LlamaCppCache:
         self.length = [self.length[b] for b in chosen]
         self.pending = [self.pending[b] for b in chosen]
 
+    def fill(self, items: Sequence[_Input]) -> None:
+        """Put these inputs in the llama_batch (each in its row's sequence)."""
+        batch = self.batch
+        for j, item in enumerate(items):
+            batch.token[j] = item.token
+            batch.pos[j] = item.pos
+            batch.n_seq_id[j] = 1
+            batch.seq_id[j][0] = self.seqs[item.row]
+            batch.logits[j] = int(item.logits)
+        batch.n_tokens = len(items)
+
     def run_batch(self, want_hidden: bool) -> None:
-        """llama_decode of the batch as filled (n_tokens set), with or without hidden states."""
+        """llama_decode of the batch as filled (fill), with or without hidden states."""
         if want_hidden != self.embeddings:
             # The final hidden state (after the output norm) beside the logits (Medusa heads read it):
             # switched on only while asked, since it makes a long prompt's prefill ~10% slower.
@@ -230,17 +241,9 @@ class LlamaCppCache:
                hidden_size: int = 0) -> dict[tuple[int, int], tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """One llama_decode of these inputs -> (logits [vocab], with hidden_size the final hidden
         state [hidden] too) of those that asked, by (row, column)."""
-        lib, batch = self.lib, self.batch
-        asked = {}
-        for j, item in enumerate(items):
-            batch.token[j] = item.token
-            batch.pos[j] = item.pos
-            batch.n_seq_id[j] = 1
-            batch.seq_id[j][0] = self.seqs[item.row]
-            batch.logits[j] = int(item.logits)
-            if item.logits:
-                asked[j] = (item.row, item.column)
-        batch.n_tokens = len(items)
+        lib = self.lib
+        self.fill(items)
+        asked = {j: (item.row, item.column) for j, item in enumerate(items) if item.logits}
         self.run_batch(hidden_size > 0)
         return {key: (_floats(lib.llama_get_logits_ith(self.ctx, j), vocab_size),
                       _floats(lib.llama_get_embeddings_ith(self.ctx, j), hidden_size) if hidden_size else None)
@@ -252,9 +255,13 @@ class LlamaCppLM:
     `--threads` means the same on every backend); context: tokens per row of a cache (default:
     the model's training context, at most 4096: each row's KV stream is allocated whole)."""
 
+    # what it declares (specdec.backends.base.ModelBackend)
+    backend = "llamacpp"
+    head_rows = None
     returns_hidden = True  # forward(want_hidden=True): the final hidden state where logits are asked
     runs_trees = False  # causal chains only: see the module docstring
     stacks_caches = False  # a cache is a llama.cpp context: sessions run side by side instead (run_each)
+    greedy_steps = True  # greedy_step: the argmax is taken in llama.cpp's sampler, no logits copied out
 
     def __init__(self, path: str | Path, name: Optional[str] = None, threads: Optional[int] = None,
                  context: Optional[int] = None, n_batch: int = 512):
@@ -295,6 +302,9 @@ class LlamaCppLM:
     @property
     def dtype(self) -> torch.dtype:
         return torch.float32  # of the logits it returns
+
+    def output_bias(self) -> None:
+        return None  # the GGUF architectures served here have no output bias
 
     def embedding_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(input embeddings, output layer) [vocab, hidden], dequantized from the GGUF to float32
@@ -418,12 +428,10 @@ class LlamaCppLM:
         ~11 ms a token in all."""
         if cache.batch_size != 1 or cache.pending[0]:
             raise ValueError("greedy_step needs a settled batch-1 cache")
-        lib, batch = self.lib, cache.batch
-        batch.token[0], batch.pos[0], batch.n_seq_id[0] = token, cache.length[0], 1
-        batch.seq_id[0][0], batch.logits[0], batch.n_tokens = cache.seqs[0], 1, 1
+        cache.fill((_Input(0, 0, token, cache.length[0], True),))
         cache.run_batch(want_hidden=False)
         cache.length[0] += 1
-        return int(np.ctypeslib.as_array(lib.llama_get_logits_ith(cache.ctx, 0), shape=(self.vocab_size,)).argmax())
+        return int(np.ctypeslib.as_array(self.lib.llama_get_logits_ith(cache.ctx, 0), shape=(self.vocab_size,)).argmax())
 
     @torch.inference_mode()
     def prefill(self, cache: LlamaCppCache, prompts: Sequence[Sequence[int]],

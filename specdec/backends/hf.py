@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from specdec.kv_cache import KVCache, restore_kv, snapshot_kv
+from specdec.backends.kv_cache import KVCache, restore_kv, snapshot_kv
 
 
 @dataclass
@@ -60,9 +60,13 @@ def attention_inputs(cache: KVCache, shape: tuple[int, int], block_mask: Optiona
 class CausalLM:
     """A transformers causal LM in eval mode, plus what the engine needs to know about it."""
 
-    returns_hidden = True  # forward(want_hidden=True) gives the last hidden state (Medusa heads read it)
-    runs_trees = True  # forward takes tree blocks (block_mask); False: causal chains only
-    stacks_caches = True  # batch-1 caches stack into one batched cache (kv_stack); False: verified in turn
+    # what it declares (specdec.backends.base.ModelBackend)
+    backend = "hf"
+    head_rows = None  # the whole vocabulary is scored
+    returns_hidden = True
+    runs_trees = True
+    stacks_caches = True
+    greedy_steps = False
 
     def __init__(self, model: torch.nn.Module, name: str = "model"):
         self.model = model.eval()
@@ -87,6 +91,10 @@ class CausalLM:
         """(input embeddings, output layer), each [vocab, hidden]: what a draft built on this
         target shares with it (specdec.drafts)."""
         return self.model.get_input_embeddings().weight, self.model.get_output_embeddings().weight
+
+    def output_bias(self) -> Optional[torch.Tensor]:
+        """The output layer's bias [vocab], None where it has none (Llama's has none)."""
+        return getattr(self.model.get_output_embeddings(), "bias", None)
 
     def cost_identity(self) -> dict:
         """What a forward's cost depends on, as JSON-ready values (the key under which measured

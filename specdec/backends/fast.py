@@ -4,7 +4,7 @@ It loads nothing of its own: it takes a loaded transformers Llama, fuses q/k/v a
 into single weight matrices (the transformers modules keep working: their weights become views
 into the fused ones, so no memory is doubled), and runs the decoder with
 - a pre-allocated KV cache indexed by slot (FastKVCache: the same validity-masked API as
-  specdec.kv_cache.KVCache, so decode.py and every proposer work unchanged; rolling back is
+  specdec.backends.kv_cache.KVCache, so decode.py and every proposer work unchanged; rolling back is
   moving a length, growth doubles the buffer instead of a torch.cat per layer per step);
 - 4 matmuls per layer instead of 7, one attention mask per forward, no per-layer cache
   bookkeeping;
@@ -27,7 +27,7 @@ bfloat16 weights (`weight_dtype`, lossy) made multi-row forwards much cheaper (v
 
 Limitations: Llama-family decoders only (no attention/MLP biases, SiLU MLP, static RoPE
 types); `supports_fast(config)` says why a model is refused. Not for sliding-window models.
-FastKVCache has no transformers cache layers; it stacks and splits (specdec/kv_stack.py, the
+FastKVCache has no transformers cache layers; it stacks and splits (specdec/backends/kv_stack.py, the
 services' batching) through the same `layer_kv` / `load_layer_kv` as KVCache. The kernel
 thresholds were measured on one CPU; on a GPU every matmul is F.linear.
 """
@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from specdec.errors import ModelLoadError
-from specdec.kv_cache import KVCache
-from specdec.lm import CausalLM, ForwardOutput, scatter_subset_logits
+from specdec.backends.kv_cache import KVCache
+from specdec.backends.hf import CausalLM, ForwardOutput, scatter_subset_logits
 
 
 def supports_fast(config) -> Optional[str]:
@@ -244,6 +244,7 @@ class FastLlamaLM(CausalLM):
             if self.head_rows is not None:
                 self.lm_head = self.lm_head[self.head_rows].clone()  # [subset, hidden]
         self.weight_dtype = weight_dtype or self.dtype
+        self.backend = "fast" if self.weight_dtype == self.dtype else "fast-bf16"
         if self.weight_dtype != self.dtype:
             # LOSSY relative to the loaded model: matmul weights (and inputs) rounded to
             # weight_dtype; the transformers module keeps the original weights.

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from specdec.kv_cache import KVCache
+from specdec.backends.kv_cache import KVCache
 
 
 def stack_caches(caches: Sequence[KVCache], new_cache) -> KVCache:

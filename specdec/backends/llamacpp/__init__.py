@@ -1,5 +1,5 @@
 """The llama.cpp backend: GGUF models run by llama.cpp behind the engine's model interface."""
 
-from specdec.llamacpp.model import LlamaCppLM
+from specdec.backends.llamacpp.model import LlamaCppLM
 
 __all__ = ["LlamaCppLM"]

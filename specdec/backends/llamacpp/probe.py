@@ -5,7 +5,7 @@ shared storage, a wheel cache, an image layer). A build can crash the process th
 compiled for AMX on a VM that advertises AMX but cannot run it (a general protection fault at
 `ldtilecfg`), or for AVX2 on an older CPU (SIGILL). A crash in the calling process would take
 `specdec generate`, the target service or pytest down with it, with no message. So the first use
-of llama.cpp on a machine, build and GGUF file runs `python -m specdec.llamacpp.probe FILE` in a
+of llama.cpp on a machine, build and GGUF file runs `python -m specdec.backends.llamacpp.probe FILE` in a
 child: it loads the model, prefills a fixed prompt (a batched forward: the matrix-matrix kernels),
 decodes a few tokens greedily one at a time (the matrix-vector kernels), and scores the same tokens
 again in one block. The parent judges what came back (`judge`):
@@ -23,7 +23,7 @@ library is probed again) and the GGUF file, so later runs pay nothing.
 
 `require_usable` raises LlamaCppUnusable with one line (what happened and the command that
 rebuilds llama.cpp portably); `--backend auto` catches it and runs the float32 path instead
-(specdec.backend_choice), an explicit `--backend llamacpp` exits 2 with it (the CLI's one-line
+(specdec.backends.choice), an explicit `--backend llamacpp` exits 2 with it (the CLI's one-line
 errors), and the target service refuses to start with it.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from specdec.errors import ModelLoadError
-from specdec.llamacpp.build import build_identity, cpu_features
+from specdec.backends.llamacpp.build import build_identity, cpu_features
 
 PROMPT_TOKENS = 24
 GREEDY_STEPS = 8
@@ -89,7 +89,7 @@ def run_in_child(path: Path, steps: int = GREEDY_STEPS, threads: Optional[int] =
     """The child's work (in this process: call it only from the child): -> what `judge` reads."""
     import torch
 
-    from specdec.llamacpp.model import LlamaCppLM
+    from specdec.backends.llamacpp.model import LlamaCppLM
 
     lm = LlamaCppLM(path, threads=threads, context=PROMPT_TOKENS + steps + 8)
     prompt = probe_prompt(lm.vocab_size)
@@ -162,9 +162,9 @@ def judge(run: ChildRun, reference: Optional[Sequence[int]] = None, deadline_s: 
 
 
 def spawn_child(path: Path, deadline_s: float = DEADLINE_S, argv: Optional[Sequence[str]] = None) -> ChildRun:
-    """`python -m specdec.llamacpp.probe FILE` (or `argv`), killed at the deadline."""
+    """`python -m specdec.backends.llamacpp.probe FILE` (or `argv`), killed at the deadline."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}  # a crash: its signal, no traceback
-    argv = list(argv) if argv is not None else [sys.executable, "-m", "specdec.llamacpp.probe", str(path)]
+    argv = list(argv) if argv is not None else [sys.executable, "-m", "specdec.backends.llamacpp.probe", str(path)]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=deadline_s, env=env,
                               stdin=subprocess.DEVNULL)
@@ -179,7 +179,7 @@ def _text(data) -> str:
 
 def probe_key(path: Path) -> dict:
     from specdec.costmodel import cpu_model
-    from specdec.llamacpp.model import gguf_identity
+    from specdec.backends.llamacpp.model import gguf_identity
 
     return {"figure": "llamacpp_probe", "cpu": cpu_model(), "cpu_features": cpu_features(),
             "arch": platform.machine(), "gguf": gguf_identity(Path(path))}
@@ -233,7 +233,7 @@ def torch_reference(lm) -> Callable[[list[int], int], list[int]]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: python -m specdec.llamacpp.probe FILE.gguf", file=sys.stderr)
+        print("usage: python -m specdec.backends.llamacpp.probe FILE.gguf", file=sys.stderr)
         return 2
     try:
         out = run_in_child(Path(args[0]))

@@ -72,7 +72,7 @@ class KVCache:
 
     def load_layer_kv(self, keys: list[torch.Tensor], values: list[torch.Tensor], valid: torch.Tensor) -> None:
         """Give this empty cache these per-layer keys / values [batch, heads, slots, dim] and their
-        validity [batch, slots] (used to stack and split sessions' caches: specdec.kv_stack)."""
+        validity [batch, slots] (used to stack and split sessions' caches: specdec.backends.kv_stack)."""
         layers = self.hf.layers
         if len(layers) != len(keys):  # a cache built without a config grows its layers on first use
             for idx, (k, v) in enumerate(zip(keys, values)):
