@@ -16,7 +16,8 @@ import torch
 from specdec.models import format_prompt, load_model
 from specdec.sessions import token_digest
 from specdec.types import SamplingParams
-from target_service.core import Position, TargetCore, TargetSettings
+from specdec.service.sync import Position
+from target_service.core import TargetCore, TargetSettings
 
 QUESTIONS = ["Write a story about a cat.", "Explain gravity.", "List ten fruits.", "What is Python?", "Describe Paris.",
              "Write a poem about rain.", "How do planes fly?", "Name five rivers."]

@@ -28,7 +28,7 @@ from specdec.stopping import IncrementalText, StopChecker, cut_at_stop_string
 from specdec.types import ModelInfo, SamplingParams, StopConditions
 from coordinator.records import STORE_DOWN, SessionRecord
 from coordinator.routing import ReplicaPool
-from coordinator.run import DRAFT_METHODS, RunStats, SessionRun
+from coordinator.run import RunStats, SessionRun
 from coordinator.settings import CoordinatorSettings
 
 if TYPE_CHECKING:

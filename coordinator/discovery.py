@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional
 
 log = logging.getLogger("coordinator.discovery")
 

@@ -35,8 +35,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Optional, Protocol
 
-from specdec.errors import (FailedPrecondition, InvalidRequest, NotFound, Overloaded, RemoteError, SpecdecError,
-                            Unavailable)
+from specdec.errors import NotFound, Overloaded, RemoteError, SpecdecError, Unavailable
 from specdec.sessions import PrefixDigests, extend_digest
 from specdec.step_choice import DRAFT, LOCAL, StepRates
 from specdec.stopping import StopChecker
@@ -273,8 +272,7 @@ class SessionRun:
             if way == LOCAL:
                 chunk = self._local_chunk()
                 emitted = await self._decode("auto", min(remaining, chunk), fallback=draft is None)
-                if draft is not None and chunk in (self.coord.settings.decode_chunk, self.coord.settings.unary_chunk):
-                    # (short first chunks: not typical)
+                if draft is not None and chunk == self._full_chunk():  # (short first chunks: not typical)
                     rates.record(LOCAL, time.perf_counter() - t, len(emitted))
                 elif draft is not None:
                     rates.skipped(LOCAL, time.perf_counter() - t)
@@ -304,11 +302,18 @@ class SessionRun:
         fewer than the tokens generated so far (a session that drafted first takes whole chunks).
         A session no one streams, without stop strings (which only the coordinator checks), takes
         unary_chunk tokens a Decode from the start: nobody sees a token before the last."""
-        settings = self.coord.settings
-        if not self.streamed and not self.stop.stop_strings:
-            return settings.unary_chunk
+        if self._unary_chunks:
+            return self.coord.settings.unary_chunk
         self._local_steps += 1
-        return min(settings.decode_chunk, max(1 << (self._local_steps - 1), len(self.generated)))
+        return min(self.coord.settings.decode_chunk, max(1 << (self._local_steps - 1), len(self.generated)))
+
+    @property
+    def _unary_chunks(self) -> bool:
+        return not self.streamed and not self.stop.stop_strings
+
+    def _full_chunk(self) -> int:
+        """The most tokens one Decode on the target alone takes for this session."""
+        return self.coord.settings.unary_chunk if self._unary_chunks else self.coord.settings.decode_chunk
 
     async def _release_target(self) -> None:
         """Release the finished session on its target replica now, not after the answer is sent:

@@ -15,14 +15,15 @@ from typing import Optional, Sequence
 
 import torch
 
-from specdec.errors import InvalidRequest, NotFound
+from specdec.errors import InvalidRequest
 from specdec.backends.hf import CausalLM
 from specdec.proposers.draft_model import DraftModelProposer, DraftRows
 from specdec.service.batching import MicroBatcher
 from specdec.service.metrics import ServiceMetrics
 from specdec.service.session_table import SessionTable
+from specdec.service.sync import Position, check_position, synced_tokens
 from specdec.sampling import draft_seed, make_generator
-from specdec.sessions import PrefixDigests, check_token_ids, extend_digest, step_seed
+from specdec.sessions import PrefixDigests, check_token_ids, step_seed
 from specdec.types import DraftBlock, DraftKind, ProposeContext, SamplingParams
 
 
@@ -53,9 +54,7 @@ class DraftSession:
 @dataclass
 class _Job:
     session: DraftSession
-    committed_len: int
-    new_token_ids: tuple[int, ...]
-    digest: int
+    position: Position
     k: int
     sampling: SamplingParams
     with_guess: bool
@@ -99,27 +98,18 @@ class DraftCore:
                       sampling: SamplingParams, with_guess: bool = False) -> DraftBlock:
         if not 1 <= k <= self.settings.max_k:
             raise InvalidRequest(f"k must be in [1, {self.settings.max_k}], got {k}")
-        if committed_len < 1 or len(new_token_ids) > committed_len:
-            raise InvalidRequest(f"committed_len must be >= 1 and >= the {len(new_token_ids)} new tokens")
-        new_ids = tuple(check_token_ids(new_token_ids, self.draft.vocab_size, "new token ids"))
-        if committed_len + k + 2 > self.draft.max_positions:
-            raise InvalidRequest(f"the session would exceed the draft's context of {self.draft.max_positions} tokens")
+        pos = check_position(Position(committed_len, tuple(new_token_ids), digest), self.draft.vocab_size, k + 1,
+                             self.draft.max_positions, "draft")
         sess = self._session(session_id)
         async with sess.lock:
-            return await self.batcher.submit(_Job(sess, committed_len, new_ids, digest, k, sampling, with_guess))
+            return await self.batcher.submit(_Job(sess, pos, k, sampling, with_guess))
 
     # --- the model thread ------------------------------------------------------------------
     def _sync(self, job: _Job) -> list[int]:
-        sess = job.session
-        base = job.committed_len - len(job.new_token_ids)
-        if base > len(sess.tokens):
-            raise NotFound(f"session {sess.session_id} is behind the caller: prefill it again")
-        new = list(job.new_token_ids)
-        if extend_digest(sess.digests.at(base), new) != job.digest:
-            raise NotFound(f"session {sess.session_id} holds other tokens than the caller: prefill it again")
-        sess.tokens = sess.tokens[:base] + new
-        sess.digests.truncate(base)
-        sess.digests.extend(new)
+        sess, pos = job.session, job.position
+        sess.tokens = synced_tokens(sess.session_id, sess.tokens, sess.digests, pos)
+        sess.digests.truncate(pos.base)
+        sess.digests.extend(pos.new_token_ids)
         return sess.tokens
 
     def _run(self, jobs: Sequence[_Job]) -> list:

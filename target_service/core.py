@@ -31,8 +31,9 @@ from specdec.proposers import PROPOSERS, Proposer, ProposerEnv, ProposerFactory,
 from specdec.service.batching import MicroBatcher
 from specdec.service.metrics import ServiceMetrics
 from specdec.service.session_table import SessionTable
+from specdec.service.sync import Position, check_position, synced_tokens
 from specdec.sampling import make_generator
-from specdec.sessions import PrefixDigests, check_token_ids, extend_digest, step_seed
+from specdec.sessions import PrefixDigests, check_token_ids, step_seed
 from specdec.stopping import StopChecker
 from specdec.types import DecodeResult, DraftKind, Proposal, ProposeContext, SamplingParams, StopConditions, Verdict
 from specdec.verify import RowStep, common_prefix_len, load_committed, verify_sessions
@@ -57,13 +58,6 @@ class TargetSettings:
     # The prefix cache's budget (0: off). SmolLM2-135M holds ~23 KB of KV a token on llama.cpp
     # (f16) and ~46 KB on torch (float32): 1 GiB keeps 20-45 thousand tokens of prompts and turns.
     prefix_cache_mb: int = 1024
-
-
-@dataclass(frozen=True)
-class Position:
-    committed_len: int
-    new_token_ids: tuple[int, ...]
-    digest: int
 
 
 @dataclass
@@ -160,12 +154,12 @@ class TargetCore:
     def _reuse_prefix(self, sess: TargetSession, tokens: list[int]) -> list[int]:
         """Restore the longest cached prefix of tokens[:-1] when it holds more than the session's
         own cache does -> the tokens the session's cache now stands for."""
-        want = len(tokens) - 1
         have = min(int(sess.cache.lengths[0]), common_prefix_len(sess.tokens, tokens))
-        if want - have >= self.prefix_cache.block:
-            self.metrics.prefix_cache_queries.inc(want)
         fresh = sess.cache if not sess.tokens else None  # a new session's cache, never fed: restore into it
-        n, kv = restore_longest(self.prefix_cache, self.target, tokens, at_most=want, more_than=have, into=fresh)
+        queried = self.prefix_cache.stats.queries
+        n, kv = restore_longest(self.prefix_cache, self.target, tokens, at_most=len(tokens) - 1, more_than=have,
+                                into=fresh)
+        self.metrics.prefix_cache_queries.inc(self.prefix_cache.stats.queries - queried)  # 0: too short to look up
         if kv is None:
             return sess.tokens
         sess.cache = kv
@@ -184,12 +178,8 @@ class TargetCore:
     def _check_tokens(self, token_ids: Sequence[int], what: str) -> list[int]:
         return check_token_ids(token_ids, self.target.vocab_size, what)
 
-    def _check_position(self, committed_len: int, new_ids: Sequence[int], extra: int = 0) -> None:
-        if committed_len < 1 or len(new_ids) > committed_len:
-            raise InvalidRequest(f"committed_len must be >= 1 and >= the {len(new_ids)} new tokens")
-        self._check_tokens(new_ids, "new token ids")
-        if committed_len + extra + 1 > self.target.max_positions:
-            raise InvalidRequest(f"the session would exceed the model's context of {self.target.max_positions} tokens")
+    def _check_position(self, pos: Position, ahead: int) -> None:
+        check_position(pos, self.target.vocab_size, ahead, self.target.max_positions)
 
     async def prefill(self, session_id: str, token_ids: Sequence[int]) -> int:
         ids = self._check_tokens(token_ids, "prompt token ids")
@@ -216,14 +206,11 @@ class TargetCore:
 
     def _sync(self, sess: TargetSession, pos: Position) -> None:
         """Bring the session to the caller's committed tokens (model thread)."""
-        base = pos.committed_len - len(pos.new_token_ids)
-        if sess.cache is None or base > len(sess.tokens):
+        if sess.cache is None:
             raise NotFound(f"session {sess.session_id} is behind the caller: prefill it again")
-        new = list(pos.new_token_ids)
-        if extend_digest(sess.digests.at(base), new) != pos.digest:
-            raise NotFound(f"session {sess.session_id} holds other tokens than the caller: prefill it again")
-        if len(sess.tokens) != pos.committed_len or sess.tokens[base:] != new:
-            self._load(sess, sess.tokens[:base] + new)
+        tokens = synced_tokens(sess.session_id, sess.tokens, sess.digests, pos)
+        if tokens != sess.tokens:
+            self._load(sess, tokens)
 
     def _load(self, sess: TargetSession, tokens: list[int]) -> None:
         """Make the session hold these committed tokens, keeping what its cache shares with them
@@ -305,7 +292,7 @@ class TargetCore:
         """draft_kind None: the caller did not say (refused under sampling, see check_draft)."""
         if len(draft_ids) > self.settings.max_k:
             raise InvalidRequest(f"at most {self.settings.max_k} draft tokens per Verify, got {len(draft_ids)}")
-        self._check_position(pos.committed_len, pos.new_token_ids, len(draft_ids))
+        self._check_position(pos, len(draft_ids))
         ids = tuple(self._check_tokens(draft_ids, "draft token ids"))
         draft_probs = check_draft(draft_kind, len(ids), draft_probs, sampling)
         sess = self._session(session_id)
@@ -340,7 +327,7 @@ class TargetCore:
                      sampling: SamplingParams, stop_token_ids: Sequence[int] = (), k: int = 4) -> DecodeResult:
         if max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")
-        self._check_position(pos.committed_len, pos.new_token_ids, max_tokens)
+        self._check_position(pos, max_tokens)
         if method == "auto" and self._local_method is None:  # measured once, on the model thread
             await self.batcher.run_alone(self.local_method)
         method = self.resolve_method(method)

@@ -11,7 +11,8 @@ from specdec.service.metrics import ServiceMetrics
 from specdec.rpc.serving import RunningServer, ServerSettings, start_server
 from specdec.rpc.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.sessions import check_session_id
-from target_service.core import Position, TargetCore, TargetSettings
+from specdec.service.sync import Position
+from target_service.core import TargetCore, TargetSettings
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 

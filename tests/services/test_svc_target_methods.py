@@ -7,7 +7,8 @@ import asyncio
 from specdec.proposers.lookahead import LookaheadConfig, LookaheadProposer
 from specdec.sessions import token_digest
 from specdec.types import DecodeResult, SamplingParams
-from target_service.core import Position, TargetCore, TargetSettings
+from specdec.service.sync import Position
+from target_service.core import TargetCore, TargetSettings
 from tests.services.stack import mean_batch_size, run
 
 PROMPTS = ([5, 6, 7, 8, 9, 5, 6, 7], [30, 31, 32, 33, 30, 31])
