@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from specdec.costmodel import CostStore
-from specdec.backends.kv_cache import KVCache
+from specdec.decode import plain_generate
 from specdec.backends.hf import CausalLM
 from specdec.testing import perturbed_copy, tiny_llama
+from specdec.types import StopConditions
 
 TIE_TOLERANCE = 1e-4
 
@@ -52,6 +53,12 @@ class FixedCosts(CostStore):
 
     def verify_cost(self, lm) -> dict[int, float]:
         return dict(self.curve)
+
+
+def plain(lm, prompt: Sequence[int], n: int):
+    """Plain greedy decoding of one prompt (up to n new tokens, stopping at the model's EOS): the
+    reference every lossless greedy output equals. -> its GenerationResult."""
+    return plain_generate(lm, [list(prompt)], stop=StopConditions(max_new_tokens=n, eos_token_ids=lm.eos_token_ids))[0]
 
 
 def full_logits(lm: CausalLM, ids: Sequence[int]) -> torch.Tensor:

@@ -112,6 +112,30 @@ def save_char_tokenizer(directory) -> str:
     return str(directory)
 
 
+def char_text_target(tmp_path_factory, max_positions: int = 512):
+    """A tiny target without EOS (it runs to max_tokens) and a character tokenizer the coordinator
+    fetches from it: (lm, tokenizer directory), for tests that send text."""
+    from specdec.testing import tiny_llama
+
+    lm = tiny_llama(seed=0, vocab_size=TEXT_VOCAB, num_layers=2, hidden_size=48, eos_token_id=None,
+                    max_positions=max_positions)
+    return lm, save_char_tokenizer(tmp_path_factory.mktemp("char-tokenizer"))
+
+
+async def status_of(call) -> tuple[object, str]:
+    """(status code, message) a call ends with: (OK, "") when it succeeds; a raw stub's
+    AioRpcError and our clients' errors (which carry the status code they map) alike."""
+    import grpc
+
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details()
+    except Exception as exc:  # noqa: BLE001 - our clients map status codes to error types
+        return getattr(exc, "code", None), str(exc)
+    return grpc.StatusCode.OK, ""
+
+
 def handled(metrics: ServiceMetrics, method: str) -> float:
     """gRPC calls of `method` a service has answered OK so far."""
     return sum(s.value for s in metrics.request_latency.collect()[0].samples

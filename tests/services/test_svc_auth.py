@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from specdec.rpc.clients import CoordinatorClient
 from specdec.rpc.security import UNAUTHENTICATED, token_hash
 from specdec.rpc.serving import ServerSettings
-from tests.services.stack import local_stack, run
+from tests.services.stack import local_stack, run, status_of
 
 PROMPT = [5, 6, 7, 8]
 GOOD, REVOKED, LATER = "good-token-0123456789", "revoked-token-abcdef", "added-later-token-xyz"
@@ -28,14 +28,6 @@ def _write_tokens(path, *tokens: str) -> None:
     tmp = path.with_suffix(".tmp")  # replaced whole, as an editor or a Secret update does
     tmp.write_text("# accepted bearer tokens (sha256)\n" + "".join(f"{token_hash(t)}\n" for t in tokens))
     os.replace(tmp, path)
-
-
-async def _code(coro):
-    try:
-        await coro
-    except grpc.aio.AioRpcError as exc:
-        return exc.code(), exc.details()
-    return grpc.StatusCode.OK, ""
 
 
 def test_missing_wrong_or_revoked_tokens_are_refused_before_any_handler_or_redis_work(redis_url, long_target,
@@ -62,11 +54,11 @@ def test_missing_wrong_or_revoked_tokens_are_refused_before_any_handler_or_redis
 
             async def unary(sid, token=None):
                 md = (("authorization", f"Bearer {token}"),) if token is not None else None
-                return await _code(stub.Generate(req(sid), timeout=10, metadata=md))
+                return await status_of(stub.Generate(req(sid), timeout=10, metadata=md))
 
             async def stream(sid, token=None):
                 md = (("authorization", f"Bearer {token}"),) if token is not None else None
-                return await _code(stub.GenerateStream(req(sid), timeout=10, metadata=md).read())
+                return await status_of(stub.GenerateStream(req(sid), timeout=10, metadata=md).read())
 
             try:
                 keys_before = await r.dbsize()
@@ -75,7 +67,7 @@ def test_missing_wrong_or_revoked_tokens_are_refused_before_any_handler_or_redis
                     "missing, stream": await stream("auth-missing-stream"),
                     "wrong": await unary("auth-wrong", "not-a-token"),
                     "empty": await unary("auth-empty", ""),
-                    "not bearer": await _code(stub.Generate(req("auth-basic"), timeout=10,
+                    "not bearer": await status_of(stub.Generate(req("auth-basic"), timeout=10,
                                                             metadata=(("authorization", f"Basic {GOOD}"),))),
                 }
                 refused_keys = await r.dbsize() - keys_before
@@ -116,7 +108,7 @@ def test_health_needs_no_token_and_reflection_is_off_unless_enabled(redis_url, l
             refl = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
                 iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5,
                 metadata=(("authorization", f"Bearer {GOOD}"),))
-            return health.status, await _code(refl.read())
+            return health.status, await status_of(refl.read())
 
     async def scenario():
         got = {}

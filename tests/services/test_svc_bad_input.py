@@ -12,17 +12,9 @@ from specdec.service.metrics import ServiceMetrics
 from specdec.rpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.types import SamplingParams
 from tests.conftest import assert_greedy_equal
-from tests.services.stack import local_stack, run
+from tests.services.stack import local_stack, run, status_of
 
 OK_PROMPT = [5, 6, 7, 8]
-
-
-async def _code(coro):
-    try:
-        await coro
-    except Exception as exc:  # noqa: BLE001 - the client maps status codes to these types
-        return exc.code, str(exc)
-    return grpc.StatusCode.OK, ""
 
 
 COORDINATOR_CASES = {
@@ -54,7 +46,7 @@ def test_coordinator_rejects_bad_requests_with_the_right_status_and_stays_up(red
         async with local_stack(redis_url, tiny_target, tiny_draft) as st:
             got = {}
             for name, (kwargs, _, _) in COORDINATOR_CASES.items():
-                got[name] = await _code(st.client.generate(CoordinatorClient.request(**kwargs), timeout=30))
+                got[name] = await status_of(st.client.generate(CoordinatorClient.request(**kwargs), timeout=30))
             ok = await st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=5))
             return got, ok
 
@@ -137,7 +129,7 @@ def test_an_overloaded_target_answers_resource_exhausted(redis_url, long_target)
 
     async def scenario():
         async with local_stack(redis_url, long_target, target_settings=TargetSettings(max_queue=0)) as st:
-            return await _code(st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=4, method="plain")))
+            return await status_of(st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=4, method="plain")))
 
     code, message = run(scenario())
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "busy" in message

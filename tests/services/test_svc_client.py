@@ -11,19 +11,17 @@ import sys
 import pytest
 
 from coordinator.servicer import start_coordinator_server
-from specdec.testing import tiny_llama
 from specdec.rpc.clients import CoordinatorClient
 from specdec.app.launcher import free_port
 from specdec.rpc.serving import ServerSettings
-from tests.services.stack import FAST, TEXT_VOCAB, local_stack, run, save_char_tokenizer, slow
+from tests.services.stack import FAST, char_text_target, local_stack, run, slow
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 
 
 @pytest.fixture(scope="module")
 def text_target(tmp_path_factory):
-    lm = tiny_llama(seed=0, vocab_size=TEXT_VOCAB, num_layers=2, hidden_size=48, eos_token_id=None)
-    return lm, save_char_tokenizer(tmp_path_factory.mktemp("char-tokenizer"))
+    return char_text_target(tmp_path_factory)
 
 
 async def _cli(*args: str, timeout: float = 120.0) -> tuple[int, str, str]:

@@ -8,17 +8,11 @@ import asyncio
 from dataclasses import replace
 
 from coordinator.servicer import start_coordinator_server
-from specdec.decode import plain_generate
 from specdec.rpc.clients import CoordinatorClient
-from specdec.types import StopConditions
-from tests.conftest import assert_greedy_equal
+from tests.conftest import assert_greedy_equal, plain
 from tests.services.stack import FAST, handled, local_stack, run, slow
 
 PROMPT = [3, 4, 10, 11, 12, 13, 14]
-
-
-def _plain(lm, prompt, n):
-    return plain_generate(lm, [prompt], stop=StopConditions(max_new_tokens=n))[0].token_ids
 
 
 def _contiguous(chunks) -> list[int]:
@@ -52,7 +46,7 @@ def test_draft_killed_mid_generation_falls_back_and_drafting_resumes_after_resta
 
     chunks, proposes = run(scenario())
     tokens = _contiguous(chunks)
-    assert_greedy_equal(long_target, PROMPT, tokens, _plain(long_target, PROMPT, 100))
+    assert_greedy_equal(long_target, PROMPT, tokens, plain(long_target, PROMPT, 100).token_ids)
     stats = chunks[-1].stats
     assert stats["fallback_steps"] > 0, "the target never continued alone"
     assert proposes > 0, "drafting did not resume after the draft restarted"
@@ -75,7 +69,7 @@ def test_target_restarted_mid_session_completes_from_redis(redis_url, long_targe
     chunks, prefills = run(scenario())
     tokens = _contiguous(chunks)
     assert len(tokens) == 80
-    assert_greedy_equal(long_target, PROMPT, tokens, _plain(long_target, PROMPT, 80))
+    assert_greedy_equal(long_target, PROMPT, tokens, plain(long_target, PROMPT, 80).token_ids)
     assert list(prefills.values()) == [1], "the restarted target should rebuild the session once, from Redis"
 
 
@@ -107,7 +101,7 @@ def test_two_target_replicas_keep_sessions_and_stopping_one_moves_only_its_sessi
 
     outs, before, prefills = run(scenario())
     for p, out in zip(prompts, outs):
-        assert_greedy_equal(long_target, p, out.token_ids, _plain(long_target, p, 60))
+        assert_greedy_equal(long_target, p, out.token_ids, plain(long_target, p, 60).token_ids)
     assert not before[0] & before[1], "a session was served by both replicas"
     assert len(before[0]) == len(before[1]) == 4
     moved = {sid for sid in prefills if sid in before[0]}
@@ -133,7 +127,7 @@ def test_client_reconnecting_with_the_session_id_gets_the_rest_without_repeats(r
     first, rest = run(scenario())
     tokens = _contiguous(first) + [t for ch in rest for t in ch.token_ids]
     assert rest[0].offset == sum(len(c.token_ids) for c in first)
-    assert_greedy_equal(long_target, PROMPT, tokens, _plain(long_target, PROMPT, 50))
+    assert_greedy_equal(long_target, PROMPT, tokens, plain(long_target, PROMPT, 50).token_ids)
 
 
 def test_session_resumes_on_a_new_coordinator_from_redis(redis_url, long_target, weak_draft):
@@ -157,7 +151,7 @@ def test_session_resumes_on_a_new_coordinator_from_redis(redis_url, long_target,
             return out
 
     out = run(scenario())
-    assert_greedy_equal(long_target, PROMPT, out.token_ids, _plain(long_target, PROMPT, 40))
+    assert_greedy_equal(long_target, PROMPT, out.token_ids, plain(long_target, PROMPT, 40).token_ids)
 
 
 def test_client_cancellation_and_deadlines_stop_work_on_the_servers(redis_url, long_target, weak_draft):
@@ -213,7 +207,7 @@ def test_a_draft_missing_its_propose_deadline_opens_the_breaker_and_the_target_c
             return await st.client.generate(st.client.request(token_ids=PROMPT, max_tokens=30, method="draft"))
 
     out = run(scenario())
-    assert_greedy_equal(long_target, PROMPT, out.token_ids, _plain(long_target, PROMPT, 30))
+    assert_greedy_equal(long_target, PROMPT, out.token_ids, plain(long_target, PROMPT, 30).token_ids)
     # The client's 1 ms timer and a fast answer can race on a loaded machine: a Propose now and then
     # lands in time; what matters is that the late ones moved the session to the target.
     assert out.stats["fallback_steps"] > 0

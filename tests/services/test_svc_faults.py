@@ -13,7 +13,7 @@ from specdec.testing import tiny_llama
 from specdec.rpc import convert
 from specdec.rpc.clients import CoordinatorClient
 from specdec.rpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from tests.services.stack import TEXT_VOCAB, local_stack, run, save_char_tokenizer, slow
+from tests.services.stack import char_text_target, local_stack, run, slow, status_of
 
 OK_PROMPT = [5, 6, 7, 8]
 
@@ -28,16 +28,6 @@ BAD_SAMPLING = {
     "top_p negative": (dict(temperature=1.0, top_p=-0.1), "top_p"),
     "top_k negative": (dict(temperature=1.0, top_k=-1), "top_k"),
 }
-
-
-async def _status(call):
-    try:
-        await call
-    except grpc.aio.AioRpcError as exc:
-        return exc.code(), exc.details()
-    except Exception as exc:  # noqa: BLE001 - our clients map status codes to error types
-        return getattr(exc, "code", None), str(exc)
-    return grpc.StatusCode.OK, ""
 
 
 def _with_sampling(req, **sampling):
@@ -62,12 +52,12 @@ def test_non_finite_or_absurd_sampling_is_invalid_argument_at_the_coordinator_dr
                 bad = common_pb2.SamplingParams(**sampling)
                 req = _with_sampling(CoordinatorClient.request(token_ids=OK_PROMPT, max_tokens=8), **sampling)
                 got[name] = {
-                    "coordinator": await _status(st.client.stub.Generate(req, timeout=30)),
-                    "draft Propose": await _status(d.Propose(draft_pb2.ProposeRequest(
+                    "coordinator": await status_of(st.client.stub.Generate(req, timeout=30)),
+                    "draft Propose": await status_of(d.Propose(draft_pb2.ProposeRequest(
                         position=pos, k=2, sampling=bad), timeout=10)),
-                    "target Verify": await _status(t.Verify(target_pb2.VerifyRequest(
+                    "target Verify": await status_of(t.Verify(target_pb2.VerifyRequest(
                         position=pos, draft_token_ids=[3], sampling=bad), timeout=10)),
-                    "target Decode": await _status(t.Decode(target_pb2.DecodeRequest(
+                    "target Decode": await status_of(t.Decode(target_pb2.DecodeRequest(
                         position=pos, max_tokens=2, sampling=bad), timeout=10)),
                 }
             live = st.core.draft_pool.live()
@@ -138,7 +128,7 @@ def test_redis_lost_turns_health_not_serving_and_requests_work_again_once_it_is_
             before = await st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=8))
             redis.kill()
             went_down = await _wait_health(st.coord.address, serving=False)
-            failed = await _status(st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=8),
+            failed = await status_of(st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=8),
                                                       timeout=20))
             redis.start()  # same port, empty (no persistence)
             came_back = await _wait_health(st.coord.address, serving=True)
@@ -167,9 +157,7 @@ LONG_CONTEXT = 131072
 @pytest.fixture(scope="module")
 def text_target(tmp_path_factory):
     """A tiny target with a long context and a character tokenizer (the coordinator tokenizes text)."""
-    lm = tiny_llama(seed=0, vocab_size=TEXT_VOCAB, num_layers=2, hidden_size=48, eos_token_id=None,
-                    max_positions=LONG_CONTEXT)
-    return lm, save_char_tokenizer(tmp_path_factory.mktemp("char-tokenizer"))
+    return char_text_target(tmp_path_factory, max_positions=LONG_CONTEXT)
 
 
 async def _latencies_around(st, start_other) -> tuple[list[float], object]:
@@ -205,7 +193,7 @@ def test_a_huge_prompt_does_not_stall_other_sessions(redis_url, text_target):
                 quiet, _ = await _latencies_around(st, None)
                 got = {}
                 for name, text in (("wire limit", wire_limit), ("size limit", size_limit)):
-                    got[name] = await _latencies_around(st, lambda: _status(big_client.generate(
+                    got[name] = await _latencies_around(st, lambda: status_of(big_client.generate(
                         big_client.request(text=text, max_tokens=4), timeout=60)))
             finally:
                 await big_client.close()
@@ -287,9 +275,9 @@ def test_a_session_id_reused_with_another_prompt_or_settings_is_refused_and_an_e
     async def scenario():
         async with local_stack(redis_url, long_target, good_draft) as st:
             first = await st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=10, session_id=sid))
-            other_prompt = await _status(st.client.generate(st.client.request(token_ids=[9, 10, 11], max_tokens=10,
+            other_prompt = await status_of(st.client.generate(st.client.request(token_ids=[9, 10, 11], max_tokens=10,
                                                                               session_id=sid)))
-            other_settings = await _status(st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=12,
+            other_settings = await status_of(st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=12,
                                                                                 session_id=sid)))
             exact = await st.client.generate(st.client.request(token_ids=OK_PROMPT, max_tokens=10, session_id=sid,
                                                                resume_from=4))

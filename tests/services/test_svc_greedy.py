@@ -9,19 +9,15 @@ import copy
 
 import pytest
 
-from specdec.decode import plain_generate, speculative_generate
+from specdec.decode import speculative_generate
 from specdec.proposers import PROPOSERS
 from specdec.proposers import DraftModelProposer
 from specdec.types import SamplingParams, StopConditions
-from tests.conftest import assert_greedy_equal
+from tests.conftest import assert_greedy_equal, plain
 from tests.services.stack import handled, local_stack, mean_batch_size, run
 
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 10, 11, 12, 13, 14], [20, 21, 22], [40, 41, 42, 43]]
 TARGET_METHODS = ["plain", "target", "prompt-lookup"] + [m for m in ("lookahead",) if m in PROPOSERS]
-
-
-def _plain(lm, prompt, n):
-    return plain_generate(lm, [prompt], stop=StopConditions(max_new_tokens=n, eos_token_ids=lm.eos_token_ids))[0]
 
 
 def test_draft_method_equals_in_process_speculative_and_plain(redis_url, tiny_target, tiny_draft):
@@ -39,11 +35,11 @@ def test_draft_method_equals_in_process_speculative_and_plain(redis_url, tiny_ta
     assert held == 0, "finished sessions kept their KV caches"
     stop = StopConditions(max_new_tokens=40, eos_token_ids=tiny_target.eos_token_ids)
     for p, out in zip(PROMPTS, outs):
-        plain = _plain(tiny_target, p, 40)
+        want = plain(tiny_target, p, 40)
         spec = speculative_generate(tiny_target, DraftModelProposer(tiny_draft), [p], stop=stop, k=4)[0]
-        assert_greedy_equal(tiny_target, p, out.token_ids, plain.token_ids)
+        assert_greedy_equal(tiny_target, p, out.token_ids, want.token_ids)
         assert_greedy_equal(tiny_target, p, out.token_ids, spec.token_ids)
-        assert out.finish_reason == plain.finish_reason
+        assert out.finish_reason == want.finish_reason
     assert sum(o.stats["accepted"] for o in outs) > 0, "nothing accepted: the rollback paths did not run"
     assert all(o.stats["fallback_steps"] == 0 for o in outs)
 
@@ -56,7 +52,7 @@ def test_target_side_method_equals_plain(redis_url, long_target, method):
                                                                                 method=method)) for p in PROMPTS[:3]))
 
     for p, out in zip(PROMPTS, run(scenario())):
-        assert_greedy_equal(long_target, p, out.token_ids, _plain(long_target, p, 20).token_ids)
+        assert_greedy_equal(long_target, p, out.token_ids, plain(long_target, p, 20).token_ids)
         assert out.stats["emitted"] == 20 and out.finish_reason == "length"
 
 
@@ -66,7 +62,7 @@ def test_auto_without_draft_replicas_falls_back_to_the_target(redis_url, long_ta
             return await st.client.generate(st.client.request(token_ids=PROMPTS[1], max_tokens=20))
 
     out = run(scenario())
-    assert_greedy_equal(long_target, PROMPTS[1], out.token_ids, _plain(long_target, PROMPTS[1], 20).token_ids)
+    assert_greedy_equal(long_target, PROMPTS[1], out.token_ids, plain(long_target, PROMPTS[1], 20).token_ids)
     assert out.stats["fallback_steps"] > 0
 
 
@@ -92,7 +88,7 @@ def test_sixteen_concurrent_sessions_equal_their_solo_outputs(redis_url, long_ta
 
     outs, batched = run(scenario())
     for p, out in zip(prompts, outs):
-        assert_greedy_equal(long_target, p, out.token_ids, _plain(long_target, p, 24).token_ids)
+        assert_greedy_equal(long_target, p, out.token_ids, plain(long_target, p, 24).token_ids)
     assert all(o.stats["fallback_steps"] == 0 for o in outs), "the draft service failed"
     assert batched > 1.5, "concurrent Verify calls were not batched"
 
@@ -110,7 +106,7 @@ def test_pipelined_output_equals_plain_and_uses_drafted_ahead_blocks(redis_url, 
 
     outs = run(scenario())
     for p, out in zip(PROMPTS, outs):
-        assert_greedy_equal(long_target, p, out.token_ids, _plain(long_target, p, 40).token_ids)
+        assert_greedy_equal(long_target, p, out.token_ids, plain(long_target, p, 40).token_ids)
     assert sum(o.stats["pipeline_hits"] for o in outs) > 0
     assert sum(o.stats["pipeline_misses"] for o in outs) > 0
 
@@ -129,7 +125,7 @@ def test_seeded_sampling_through_the_services_is_reproducible(redis_url, long_ta
     a, b, c = run(scenario())
     assert a.token_ids == b.token_ids == c.token_ids and len(a.token_ids) == 30
     assert a.stats["drafted"] > 0 or method == "auto"
-    assert a.token_ids != tuple(_plain(long_target, PROMPTS[0], 30).token_ids)
+    assert a.token_ids != tuple(plain(long_target, PROMPTS[0], 30).token_ids)
 
 
 @pytest.mark.parametrize("slow_way", ["draft", "target"])
@@ -153,7 +149,7 @@ def test_auto_takes_the_way_that_costs_less_per_token_and_equals_plain(redis_url
 
     outs, rates, proposes = run(scenario(), timeout=300)
     for p, out in zip(prompts, outs):
-        assert_greedy_equal(long_target, p, out.token_ids, _plain(long_target, p, 48).token_ids)
+        assert_greedy_equal(long_target, p, out.token_ids, plain(long_target, p, 48).token_ids)
     assert set(rates) == {"local", "draft"}, "auto did not measure both ways"
     later = proposes[-1] - proposes[1]  # draft-service steps after the first two sessions measured both ways
     if slow_way == "draft":
@@ -182,7 +178,7 @@ def test_an_answer_no_one_streams_takes_whole_chunks_and_equals_the_streamed_one
             return unary, after_unary, handled(metrics, "Decode") - after_unary, streamed
 
     unary, unary_calls, stream_calls, chunks = run(scenario())
-    assert_greedy_equal(long_target, PROMPTS[0], unary.token_ids, _plain(long_target, PROMPTS[0], 40).token_ids)
+    assert_greedy_equal(long_target, PROMPTS[0], unary.token_ids, plain(long_target, PROMPTS[0], 40).token_ids)
     assert tuple(t for c in chunks for t in c.token_ids) == unary.token_ids
     assert unary_calls == 1 and stream_calls >= 4
     assert len([c for c in chunks if c.token_ids]) >= 4  # the streamed one arrived in pieces

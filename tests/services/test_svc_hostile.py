@@ -15,13 +15,12 @@ from transformers import AutoTokenizer
 
 from coordinator.servicer import PUBLIC_MAX_MESSAGE_BYTES, SERVICE_NAME
 from specdec.decode import plain_generate
-from specdec.testing import tiny_llama
 from specdec.rpc.security import token_hash
 from specdec.rpc.serving import ServerSettings
 from specdec.rpc.v1 import common_pb2, coordinator_pb2
 from specdec.types import StopConditions
 from tests.conftest import assert_greedy_equal
-from tests.services.stack import TEXT_VOCAB, local_stack, run, save_char_tokenizer
+from tests.services.stack import TEXT_VOCAB, char_text_target, local_stack, run
 
 GOOD = "hostile-test-good-token-0123456789"
 PROMPT = [40, 41, 42, 43]
@@ -34,9 +33,7 @@ SESSION_WORDS = "malformed session id"
 @pytest.fixture(scope="module")
 def text_target(tmp_path_factory):
     """A tiny target (no EOS: runs to max_tokens) with a character tokenizer the coordinator fetches."""
-    lm = tiny_llama(seed=0, vocab_size=TEXT_VOCAB, num_layers=2, hidden_size=48, eos_token_id=None,
-                    max_positions=MAX_POSITIONS)
-    return lm, save_char_tokenizer(tmp_path_factory.mktemp("char-tokenizer"))
+    return char_text_target(tmp_path_factory, max_positions=MAX_POSITIONS)
 
 
 def _req(token_ids=PROMPT, **kw) -> coordinator_pb2.GenerateRequest:

@@ -8,10 +8,8 @@ import asyncio
 
 import pytest
 
-from specdec.decode import plain_generate
 from specdec.errors import InvalidRequest
-from specdec.types import StopConditions
-from tests.conftest import assert_greedy_equal, gguf_copy
+from tests.conftest import assert_greedy_equal, gguf_copy, plain
 from tests.services.stack import local_stack, mean_batch_size, run
 
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 10, 11, 12, 13, 14], [20, 21, 22], [40, 41, 42, 43], [7, 7, 7]]
@@ -20,10 +18,6 @@ PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 10, 11, 12, 13, 14], [20, 21, 22], [40, 41, 4
 @pytest.fixture(scope="module")
 def gguf_target(long_target, tmp_path_factory):
     return gguf_copy(long_target, tmp_path_factory.mktemp("gguf") / "long.gguf", context=512)
-
-
-def _plain(lm, prompt, n):
-    return plain_generate(lm, [prompt], stop=StopConditions(max_new_tokens=n, eos_token_ids=lm.eos_token_ids))[0]
 
 
 @pytest.mark.parametrize("method", ["draft", "auto"])
@@ -37,7 +31,7 @@ def test_concurrent_sessions_on_a_llamacpp_target_equal_its_plain_decoding(redis
     outs, batch, methods = run(scenario())
     assert "lookahead" not in methods  # trees: not on llama.cpp
     for p, out in zip(PROMPTS, outs):
-        want = _plain(gguf_target, p, 30)
+        want = plain(gguf_target, p, 30)
         assert_greedy_equal(gguf_target, p, out.token_ids, want.token_ids)
         assert out.finish_reason == want.finish_reason
     if method == "draft":
@@ -82,7 +76,7 @@ def test_sessions_verified_together_on_two_threads_run_side_by_side_and_stay_exa
 
     outs = run(scenario())
     for p, out in zip(PROMPTS, outs):
-        assert_greedy_equal(gguf_target, p, out.token_ids, _plain(gguf_target, p, 30).token_ids)
+        assert_greedy_equal(gguf_target, p, out.token_ids, plain(gguf_target, p, 30).token_ids)
     assert any(n > 1 and threads == [1] * n for n, threads in seen), seen  # side by side, a thread each
 
 

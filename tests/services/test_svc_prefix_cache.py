@@ -7,15 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.decode import plain_generate
-from specdec.types import StopConditions
 from target_service.core import TargetSettings
-from tests.conftest import assert_greedy_equal
-
-
-def _plain(lm, prompt, n):
-    stop = StopConditions(max_new_tokens=n, eos_token_ids=lm.eos_token_ids)
-    return plain_generate(lm, [prompt], stop=stop)[0].token_ids
+from tests.conftest import assert_greedy_equal, plain
 
 
 def _counter(metric) -> float:
@@ -40,10 +33,13 @@ def test_the_prefix_cache_serves_shared_prompts_and_earlier_turns_and_output_sta
             first = await st.client.generate(st.client.request(token_ids=system + [11, 12], max_tokens=20,
                                                                 method="plain"))
             # (no pause: the first session's KV is in the cache before its answer comes back)
-            hits_before = _counter(core.metrics.prefix_cache_hits)
+            hits_before, queries_before = _counter(core.metrics.prefix_cache_hits), \
+                _counter(core.metrics.prefix_cache_queries)
             second = await st.client.generate(st.client.request(token_ids=system + [13, 14, 15], max_tokens=20,
                                                                  method="plain"))
             shared = _counter(core.metrics.prefix_cache_hits) - hits_before
+            queried = _counter(core.metrics.prefix_cache_queries) - queries_before
+            assert queried == len(system) + 3 - 1  # the prompt but its last token was looked up, once
             turn2 = system + [11, 12] + list(first.token_ids) + [21, 22]
             third = await st.client.generate(st.client.request(token_ids=turn2, max_tokens=20, method="plain"))
             turn = _counter(core.metrics.prefix_cache_hits) - hits_before - shared
@@ -51,7 +47,7 @@ def test_the_prefix_cache_serves_shared_prompts_and_earlier_turns_and_output_sta
 
     first, second, third, shared, turn, held, turn2 = run(scenario())
     for prompt, out in ((system + [11, 12], first), (system + [13, 14, 15], second), (turn2, third)):
-        assert_greedy_equal(lm, prompt, out.token_ids, _plain(lm, prompt, 20))
+        assert_greedy_equal(lm, prompt, out.token_ids, plain(lm, prompt, 20).token_ids)
     assert shared >= 64, "the second session did not reuse the shared start"
     # the first session's KV (its prompt and answer but the last token), in whole blocks of 16
     assert turn >= 16 * ((len(system) + 2 + 20 - 1) // 16), "the second turn did not reuse the first turn"
@@ -92,5 +88,5 @@ def test_a_conversations_next_turn_goes_to_the_target_replica_that_holds_its_fir
     home, other, second, turn2, gained, prefills, unrelated = run(scenario())
     assert prefills[home] >= 1 and prefills[other] == 0, "the second turn did not go to the first turn's replica"
     assert gained[home] >= 16 * ((len(start) + 20 - 1) // 16), "the second turn did not reuse the first turn's KV"
-    assert_greedy_equal(long_target, turn2, second.token_ids, _plain(long_target, turn2, 20))
+    assert_greedy_equal(long_target, turn2, second.token_ids, plain(long_target, turn2, 20).token_ids)
     assert unrelated[other] >= 1 and unrelated[home] == 0, "an unrelated session left the ring's choice"

@@ -13,24 +13,18 @@ import pytest
 
 from draft_service.servicer import start_draft_server
 from specdec.errors import NotFound, Unavailable
-from specdec.decode import plain_generate
 from specdec.rpc.clients import DraftClient, TargetClient
 from specdec.rpc.serving import ServerSettings
 from specdec.rpc.v1 import target_pb2_grpc
-from specdec.types import DraftKind, SamplingParams, StopConditions
+from specdec.types import DraftKind, SamplingParams
 from target_service.core import TargetCore
 from target_service.servicer import TargetServicer, start_target_server
-from tests.conftest import assert_greedy_equal
+from tests.conftest import assert_greedy_equal, plain
 from tests.services.stack import FAST, handled, local_stack, run
 
 PROMPT = [5, 6, 7, 8, 9]
 GREEDY = SamplingParams()
 SID = "session-1"
-
-
-def _plain(lm, prompt, n):
-    stop = StopConditions(max_new_tokens=n, eos_token_ids=lm.eos_token_ids)
-    return plain_generate(lm, [prompt], stop=stop)[0].token_ids
 
 
 def _count_opens(stub, name: str) -> list[int]:
@@ -187,4 +181,4 @@ def test_without_step_streams_the_coordinator_makes_a_unary_call_per_step(redis_
     first, out, opens = run(scenario())
     assert opens == 0
     assert out.stats["target_forwards"] >= 3
-    assert_greedy_equal(tiny_target, PROMPT[1:], out.token_ids, _plain(tiny_target, PROMPT[1:], 24))
+    assert_greedy_equal(tiny_target, PROMPT[1:], out.token_ids, plain(tiny_target, PROMPT[1:], 24).token_ids)

@@ -12,12 +12,18 @@ Layers, lowest first; a module may import its own layer and those below, never o
   services  draft_service/, target_service/, coordinator/
   app       specdec/app/ (`specdec up`, `specdec client`) and the CLI entry points
 The cores of the services (`*/core.py` and what they import of their own package) sit below the
-wire: they load no grpc (tests/services/test_svc_wire.py checks that at run time)."""
+wire: they load no grpc (checked here at run time too, in a fresh interpreter)."""
 
 from __future__ import annotations
 
 import ast
+import graphlib
+import subprocess
+import sys
 from pathlib import Path
+from typing import Optional
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("specdec", "draft_service", "target_service", "coordinator")
@@ -180,3 +186,96 @@ def test_the_module_level_import_graph_has_no_cycle():
         if m not in state:
             walk(m, [m])
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def _top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def test_only_specdec_rpc_imports_grpc_and_nothing_in_specdec_imports_redis():
+    wire = {"grpc", "grpc_health", "grpc_reflection", "grpc_tools"}
+    offenders = []
+    for pkg in ("specdec", "draft_service", "target_service", "coordinator"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            rel = path.relative_to(ROOT)
+            names = _imports(path)
+            in_rpc = rel.parts[:2] == ("specdec", "rpc")
+            if not in_rpc and any(_top(n) in wire or n.startswith("google.protobuf") for n in names):
+                offenders.append(f"{rel} imports grpc/protobuf")
+            if pkg == "specdec" and any(_top(n) == "redis" for n in names):
+                offenders.append(f"{rel} imports redis")
+    assert not offenders, offenders
+
+
+def _core_modules() -> list[str]:
+    """Every module of the core and of the service runtime (specdec outside the wire, specdec/rpc/,
+    and the application, specdec/app/), entry points aside."""
+    names = []
+    for path in sorted((ROOT / "specdec").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[:2] in (("specdec", "rpc"), ("specdec", "app")) or path.name == "__main__.py":
+            continue
+        names.append(".".join(rel.with_suffix("").parts).removesuffix(".__init__"))
+    return names
+
+
+# Imports each module in turn in a fresh interpreter and names the first one after which grpc,
+# protobuf or redis is loaded (a later offender would be hidden by an earlier one: fix and rerun).
+_LOADS = """
+import importlib, json, sys
+wire = ("grpc", "google.protobuf", "redis")
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+    loaded = [w for w in wire if w in sys.modules]
+    if loaded:
+        print(json.dumps([name, loaded]))
+        break
+"""
+
+
+@pytest.mark.parametrize("group", ["specdec", "draft_service.core", "target_service.core", "coordinator.core"])
+def test_the_core_and_each_services_core_load_neither_grpc_nor_redis(group):
+    modules = _core_modules() if group == "specdec" else [group]
+    out = subprocess.run([sys.executable, "-c", _LOADS, *modules], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    assert out == "", f"importing {out.strip()} loads the wire"
+
+
+def _first_party_imports() -> dict[str, set[str]]:
+    """module -> the first-party modules it imports anywhere (top level, functions, TYPE_CHECKING)."""
+    paths = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for pkg in ("specdec", "draft_service", "target_service", "coordinator") for p in (ROOT / pkg).rglob("*.py")}
+
+    def module_of(name: str) -> Optional[str]:  # "pkg.mod.attr" -> "pkg.mod"
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in paths.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {module_of(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {module_of(f"{node.module}.{a.name}") for a in node.names}
+        graph[name] = found - {None, name}
+    return graph
+
+
+def test_first_party_modules_import_one_another_without_a_circle():
+    try:
+        tuple(graphlib.TopologicalSorter(_first_party_imports()).static_order())
+    except graphlib.CycleError as exc:
+        pytest.fail(f"import circle: {' -> '.join(exc.args[1])}")
