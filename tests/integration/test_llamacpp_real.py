@@ -34,9 +34,29 @@ def cpp_plain(engine, cpp_prompts):
     return [engine.generate_ids([p], "plain", stop=stop)[0] for p in cpp_prompts]
 
 
+SHORT_ANSWERS = ("What is 2 + 2? Answer with the number only.", "Hi!", "Name a color.",
+                 "Is the sky blue on a clear day? Answer yes or no.")
+
+
 def test_the_gguf_target_stops_where_the_converted_model_stops(engine, real):
+    """On prompts the model answers in a few tokens, the GGUF on llama.cpp and its float32 copy on
+    torch both end their answer with an end-of-turn token, at the same place where they agree on
+    the answer (Q4_1 and float32 may word it differently: then each must still stop)."""
+    from specdec.decode import plain_generate
+    from specdec.models import format_prompt
+
     assert set(real.lm.eos_token_ids) <= set(engine.target.lm.eos_token_ids)
     assert engine.target.lm.vocab_size == real.lm.vocab_size
+    for question in SHORT_ANSWERS:
+        prompt = format_prompt(real.tokenizer, question)
+        cpp = engine.generate_ids([prompt], "plain", stop=StopConditions(max_new_tokens=48))[0]
+        f32 = plain_generate(real.lm, [prompt], stop=StopConditions(max_new_tokens=48,
+                                                                      eos_token_ids=real.lm.eos_token_ids))[0]
+        for out in (cpp, f32):
+            assert out.finish_reason == "stop" and out.token_ids[-1] in real.lm.eos_token_ids, \
+                f"{question!r}: {real.tokenizer.decode(out.token_ids)!r} did not end its turn"
+        if cpp.token_ids[:-1] == f32.token_ids[:-1]:
+            assert cpp.token_ids == f32.token_ids
 
 
 @pytest.mark.parametrize("method,k", [("prompt-lookup", 4), ("prompt-lookup", "auto"), ("draft", 3), ("draft", "auto")])
