@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from specdec.drafts import build_from_target, save_draft
 from specdec.backends.hf import CausalLM
+from specdec.training.progress import TrainState
 from specdec.training.selfdistill import read_parts
 
 
@@ -49,13 +50,7 @@ class DraftRecipe:
     seed: int = 0
 
 
-@dataclass
-class TrainState:
-    step: int = 0
-    tokens_seen: int = 0
-    elapsed_s: float = 0.0
-    # [(tokens_seen, held-out top-1 agreement with the target on answer tokens, held-out loss)]
-    history: list = field(default_factory=list)
+# TrainState.history here: [(tokens_seen, held-out top-1 agreement with the target on answer tokens, loss)]
 
 
 # --- data -------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -52,6 +52,7 @@ from specdec.eagle import VOCAB_FILE, WEIGHTS_FILE, EagleDraft, build_eagle, is_
 from specdec.errors import InvalidRequest
 from specdec.backends.hf import CausalLM
 from specdec.training.medusa import Example, HiddenCache, build_hidden_cache, frequent_tokens
+from specdec.training.progress import TrainState
 from specdec.training.selfdistill import read_parts
 
 
@@ -71,14 +72,12 @@ class EagleRecipe:
 
 
 @dataclass
-class EagleState:
-    step: int = 0
-    tokens_seen: int = 0  # training pairs (positions) at depth 1, summed over steps
-    elapsed_s: float = 0.0  # teacher pass + training, across resumed runs
+class EagleState(TrainState):
+    """tokens_seen: training pairs at depth 1; elapsed_s: teacher pass + training."""
+
     teacher_s: float = 0.0  # of which the teacher pass
     teacher_sequences: int = 0  # sequences whose features the teacher computed, over all runs
-    # [(tokens seen, held-out top-1 agreement per drafting depth, held-out loss)]
-    history: list = field(default_factory=list)
+    # history: [(tokens seen, held-out top-1 agreement per drafting depth, held-out loss)]
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -42,6 +42,7 @@ from tqdm import tqdm
 from specdec.errors import InvalidRequest
 from specdec.backends.hf import CausalLM
 from specdec.medusa_heads import HeadsConfig, MedusaHeads, new_heads, save_heads
+from specdec.training.progress import TrainState
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,7 @@ class MedusaRecipe:
     seed: int = 0
 
 
-@dataclass
-class TrainState:
-    step: int = 0
-    positions_seen: int = 0
-    elapsed_s: float = 0.0
-    history: list = field(default_factory=list)  # [(step, held-out top-1 per head)]
+# TrainState.history here: [(step, held-out top-1 per head)]
 
 
 @dataclass(frozen=True)
@@ -396,7 +392,7 @@ def train_medusa(target: CausalLM, examples: Sequence[Example], out_dir: Path, *
         heads.train()
         cfg = replace(heads.config, accuracy=tuple(tuple(r) for r in accuracy),
                       notes={**(notes or {}), "recipe": asdict(recipe), "steps": state.step,
-                             "positions_seen": state.positions_seen, "train_minutes": round(state.elapsed_s / 60, 1),
+                             "positions_seen": state.tokens_seen, "train_minutes": round(state.elapsed_s / 60, 1),
                              "train_sequences": len(train_keys), "heldout_sequences": len(held_keys),
                              "history": state.history, "selected_step": best["step"] if final else None,
                              "final": final})
@@ -428,7 +424,7 @@ def train_medusa(target: CausalLM, examples: Sequence[Example], out_dir: Path, *
         torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
         opt.step()
         state.step += 1
-        state.positions_seen += len(rows)
+        state.tokens_seen += len(rows)
         hits_avg = 0.9 * hits_avg + 0.1 * hits / counted.clamp_min(1) if state.step > 1 else hits / counted.clamp_min(1)
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", top1="/".join(f"{a:.2f}" for a in hits_avg.tolist()),
@@ -444,7 +440,7 @@ def train_medusa(target: CausalLM, examples: Sequence[Example], out_dir: Path, *
         heads.load_state_dict(best["heads"])
         log(f"keeping the step-{best['step']} heads (best on held-out positions)")
     cfg = write(final=True)
-    log(f"medusa heads: {state.step} steps, {state.positions_seen} positions, {state.elapsed_s / 60:.1f} min; "
+    log(f"medusa heads: {state.step} steps, {state.tokens_seen} positions, {state.elapsed_s / 60:.1f} min; "
         f"held-out top-1 per head {[row[0] for row in cfg.accuracy]}, top-5 "
         f"{[round(sum(row[:5]), 3) for row in cfg.accuracy]}; written to {out_dir}")
     return heads.eval(), state
