@@ -292,13 +292,20 @@ class CostStore:
     library versions, torch threads, each model's `cost_identity()`: implementation, dtype,
     device, weights), and a file whose key differs is measured again and overwritten.
     `notify(line)` is told before each measurement (a few seconds to a minute on a CPU).
+
+    A timing taken while other processes kept more than `busy_limit` CPUs busy (a training run, a
+    test suite, another server) says little about the machine when it serves: such a figure is
+    used by this process only and measured again by the next one (`others_busy` reads the load).
     """
 
     def __init__(self, directory: Optional[Path] = None, refresh: bool = False,
-                 notify: Optional[Callable[[str], None]] = None):
+                 notify: Optional[Callable[[str], None]] = None, busy_limit: float = 0.25,
+                 others_busy: Optional[Callable[[Callable[[], object]], tuple[object, float]]] = None):
         self.directory = None if directory is None else Path(directory)
         self.refresh = refresh
         self.notify = notify
+        self.busy_limit = busy_limit
+        self.others_busy = others_busy or measure_with_others_busy
         self._memory: dict[str, object] = {}
 
     def verify_cost(self, lm) -> dict[int, float]:
@@ -313,17 +320,18 @@ class CostStore:
         return float(self._get(key, f"the draft's cost against the target {target.name}",
                                lambda: quick_draft_cost(draft, target)))
 
-    def figure(self, key: dict, what: str, measure: Callable[[], object]):
+    def figure(self, key: dict, what: str, measure: Callable[[], object], timed: bool = True):
         """Any other figure (JSON-serialisable), kept under `key` like the ones above; `key` must
-        say everything the figure depends on (use machine_identity) and name it under "figure"."""
-        return self._get(key, what, measure)
+        say everything the figure depends on (use machine_identity) and name it under "figure".
+        timed=False: a figure that other processes' load cannot change (a verdict), kept anyway."""
+        return self._get(key, what, measure, timed)
 
     def path_for(self, key: dict) -> Optional[Path]:
         if self.directory is None:
             return None
         return self.directory / f"{key['figure']}-{_key_digest(key)}.json"
 
-    def _get(self, key: dict, what: str, measure: Callable[[], object]):
+    def _get(self, key: dict, what: str, measure: Callable[[], object], timed: bool = True):
         digest = _key_digest(key)
         if digest in self._memory:
             return self._memory[digest]
@@ -333,11 +341,37 @@ class CostStore:
             if self.notify is not None:
                 where = f"; kept in {self.directory}" if path is not None else ""
                 self.notify(f"measuring {what} on this machine (a few seconds, once{where})")
-            value = measure()
-            if path is not None:
+            value, busy = self.others_busy(measure) if timed else (measure(), 0.0)
+            if busy > self.busy_limit:
+                if self.notify is not None:
+                    self.notify(f"other processes kept {busy:.1f} CPUs busy while {what} was measured: "
+                                "used now, not kept (measured again by the next process)")
+            elif path is not None:
                 _write_figure(path, key, value)
         self._memory[digest] = value
         return value
+
+
+def _busy_cpu_seconds() -> Optional[float]:
+    """CPU seconds all processes have kept the machine's CPUs busy since boot (/proc/stat: all but
+    idle and iowait), or None where that cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_with_others_busy(measure: Callable[[], object]) -> tuple[object, float]:
+    """(measure()'s value, how many CPUs other processes kept busy meanwhile, on average): the
+    machine's busy CPU time less this process's own, over the wall time; 0.0 where unknown."""
+    t0, busy0, own0 = time.perf_counter(), _busy_cpu_seconds(), sum(os.times()[:2])
+    value = measure()
+    wall, busy1, own1 = time.perf_counter() - t0, _busy_cpu_seconds(), sum(os.times()[:2])
+    if busy0 is None or busy1 is None or wall <= 0:
+        return value, 0.0
+    return value, max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
 
 
 def _key_digest(key: dict) -> str:

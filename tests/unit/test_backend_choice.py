@@ -13,7 +13,7 @@ from specdec.engine import Engine
 from specdec.models import LoadedModel
 from specdec.proposers import needs_trees
 from specdec.types import StopConditions
-from tests.conftest import FixedCosts
+from tests.conftest import FixedCosts, quiet
 
 
 class BusyLM:
@@ -73,21 +73,21 @@ def _loaders(tiny_target, slow: str, calls: list):
 @pytest.mark.parametrize("slow,want", [("fast", "llamacpp"), ("llamacpp", "fast")])
 def test_auto_picks_the_backend_that_serves_a_request_faster(tiny_target, gguf_file, tmp_path, slow, want, one_thread):
     calls: list = []
-    got = load_faster(gguf_file, CostStore(tmp_path / "costs"), _loaders(tiny_target, slow, calls), _USABLE)
+    got = load_faster(gguf_file, CostStore(tmp_path / "costs", others_busy=quiet), _loaders(tiny_target, slow, calls), _USABLE)
     assert got.path == want
     assert sorted(calls) == ["fast", "llamacpp"]  # both measured the first time
 
 
 def test_the_choice_is_kept_and_later_runs_load_only_the_chosen_backend(tiny_target, gguf_file, tmp_path, one_thread):
-    load_faster(gguf_file, CostStore(tmp_path / "costs"), _loaders(tiny_target, "fast", []), _USABLE)
+    load_faster(gguf_file, CostStore(tmp_path / "costs", others_busy=quiet), _loaders(tiny_target, "fast", []), _USABLE)
     calls: list = []
-    got = load_faster(gguf_file, CostStore(tmp_path / "costs"), _loaders(tiny_target, "llamacpp", calls), _USABLE)
+    got = load_faster(gguf_file, CostStore(tmp_path / "costs", others_busy=quiet), _loaders(tiny_target, "llamacpp", calls), _USABLE)
     assert got.path == "llamacpp" and calls == ["llamacpp"]  # not measured again, the other never loaded
     # Another GGUF file (or machine, or thread count) is measured again.
     other = tmp_path / "other.gguf"
     other.write_bytes(b"GGUF" + bytes(7))
     calls.clear()
-    assert load_faster(other, CostStore(tmp_path / "costs"), _loaders(tiny_target, "llamacpp", calls), _USABLE).path == "fast"
+    assert load_faster(other, CostStore(tmp_path / "costs", others_busy=quiet), _loaders(tiny_target, "llamacpp", calls), _USABLE).path == "fast"
     assert sorted(calls) == ["fast", "llamacpp"]
 
 

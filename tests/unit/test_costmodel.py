@@ -2,12 +2,14 @@
 
 import json
 import math
+import time
 
 import pytest
 import torch
 
 from specdec import costmodel
 from specdec.costmodel import (best_k, expected_tokens, measure_verify_cost, predicted_speedup, verify_cost_at)
+from tests.conftest import quiet
 
 
 def test_expected_tokens_is_one_when_nothing_is_accepted():
@@ -96,7 +98,40 @@ def test_measure_verify_cost_in_cpu_time_gives_the_same_keys(tiny_target):
 
 def _store(tmp_path, **kw):
     measured: list[str] = []
+    kw.setdefault("others_busy", quiet)  # (these tests are about keys and files)
     return costmodel.CostStore(tmp_path / "costs", notify=measured.append, **kw), measured
+
+
+def test_a_timing_taken_while_other_processes_load_the_machine_is_used_but_not_kept(tmp_path, tiny_target):
+    busy, lines = _store(tmp_path, others_busy=lambda measure: (measure(), 1.0))
+    curve = busy.verify_cost(tiny_target)
+    assert busy.verify_cost(tiny_target) == curve  # this process keeps using it
+    assert not list((tmp_path / "costs").glob("verify_cost-*.json"))  # the next one measures again
+    assert any("1.0 CPUs busy" in line and "not kept" in line for line in lines)
+    quiet, _ = _store(tmp_path)
+    quiet.verify_cost(tiny_target)
+    assert len(list((tmp_path / "costs").glob("verify_cost-*.json"))) == 1
+    verdict, _ = _store(tmp_path / "v", others_busy=lambda measure: (measure(), 2.0))
+    verdict.figure({"figure": "probe", "x": 1}, "a verdict", lambda: {"ok": True}, timed=False)
+    assert len(list((tmp_path / "v" / "costs").glob("probe-*.json"))) == 1  # a verdict is kept whatever the load
+
+
+def test_the_load_of_other_processes_is_read_from_the_machine():
+    import subprocess
+    import sys
+
+    quiet = costmodel.measure_with_others_busy(lambda: time.sleep(0.3))[1]
+    burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 3: pass"])
+    try:
+        time.sleep(0.3)  # (the child is running)
+        value, busy = costmodel.measure_with_others_busy(lambda: time.sleep(1.0) or 42)
+    finally:
+        burner.kill()
+        burner.wait()
+    assert value == 42
+    assert busy > quiet + 0.5, f"a process spinning a CPU was seen as {busy:.2f} CPUs (quiet: {quiet:.2f})"
+    own = costmodel.measure_with_others_busy(lambda: sum(i * i for i in range(3_000_000)))[1]
+    assert own < 0.5 + quiet  # this process's own work is not the others' load
 
 
 def test_cost_store_reads_a_later_process_figure_from_disk_without_measuring(tmp_path, tiny_target):

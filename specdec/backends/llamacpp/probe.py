@@ -203,7 +203,7 @@ def probe(path: Path, costs, reference: Optional[Callable[[list[int], int], list
         verdict = judge(run, want)
         return {"ok": verdict.ok, "detail": verdict.detail}
 
-    got = costs.figure(probe_key(path), "whether llama.cpp runs correctly here (a child process)", measure)
+    got = costs.figure(probe_key(path), "whether llama.cpp runs correctly here (a child process)", measure, timed=False)
     if not isinstance(got, dict):
         return Verdict(False, "unreadable probe record")
     return Verdict(bool(got.get("ok")), str(got.get("detail", "")))
