@@ -150,6 +150,30 @@ def test_a_greedy_step_is_a_forward_and_its_argmax(gguf_target):
         gguf_target.greedy_step(gguf_target.new_cache(2), a)
 
 
+def test_after_a_burst_of_sessions_one_idle_context_stays(gguf_target):
+    """Each context holds its whole KV buffer: while sessions run, finished ones leave theirs
+    for the next (up to `keep`); once none runs, one stays (memory back to one idle session's)."""
+    import gc
+
+    from specdec.backends.llamacpp.model import LlamaCppLM
+
+    lm = LlamaCppLM(gguf_target.path, threads=1)
+    caches = [lm.new_cache(1) for _ in range(6)]
+    for cache in caches:
+        lm.prefill(cache, [PROMPTS[0]])
+    assert lm.contexts.made == 6 and lm.contexts.in_use == 6
+    del caches[1:], cache
+    gc.collect()
+    assert lm.contexts.in_use == 1 and lm.contexts.idle == lm.contexts.keep  # kept for the sessions to come
+    made = lm.contexts.made
+    again = lm.new_cache(1)
+    assert lm.contexts.made == made and int(again.lengths[0]) == 0  # reused, empty
+    del again, caches
+    gc.collect()
+    assert lm.contexts.in_use == 0 and lm.contexts.idle == 1
+    torch.testing.assert_close(full_logits(lm, PROMPTS[0]), full_logits(gguf_target, PROMPTS[0]), atol=0, rtol=0)
+
+
 def test_the_target_services_warm_up_leaves_a_context_for_the_first_session(gguf_target):
     """target_service.core.warm_up runs before the service serves: the first session's cache
     takes the context it made instead of making one (~40 ms on the real model)."""

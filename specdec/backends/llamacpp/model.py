@@ -90,7 +90,10 @@ class _Contexts:
     """llama.cpp contexts of one model, by sequence count, and the idle ones kept for reuse:
     making a context costs ~40 ms here (its KV buffer, its compute graph), as much as a short
     request's prefill, so a finished generation's or a released session's context is cleared
-    (llama_memory_clear) and handed to the next cache of the same size; at most `keep` wait.
+    (llama_memory_clear) and handed to the next cache of the same size; at most `keep` wait while
+    other contexts are in use (more sessions are likely to come), and one once none is: each
+    holds its whole KV buffer (~110 MB for the embedded model's 4096 tokens), so after a burst of
+    sessions memory goes back to what one idle session costs.
     Clearing drops the cells' metadata only: no later forward attends to a cell marked empty (the
     masks are built from the cells) and new tokens overwrite the buffers, while zeroing them
     as well cost ~30 ms for a 4096-token context here, on the path of every finished request."""
@@ -99,15 +102,29 @@ class _Contexts:
         self.lm, self.keep = lm, keep
         self._idle: list[tuple[int, object, object]] = []  # (sequences, context, batch)
         self.made = 0  # contexts made so far (the rest were reused)
+        self.in_use = 0  # contexts taken and not given back
         self._lock = threading.Lock()
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
 
     def take(self, n_seq: int) -> tuple[object, object]:
         with self._lock:
+            self.in_use += 1
             for i in reversed(range(len(self._idle))):  # the most recently used first
                 n, ctx, batch = self._idle[i]
                 if n == n_seq:
                     del self._idle[i]
                     return ctx, batch
+        try:
+            return self._make(n_seq)
+        except BaseException:
+            with self._lock:
+                self.in_use -= 1
+            raise
+
+    def _make(self, n_seq: int) -> tuple[object, object]:
         lm, lib = self.lm, self.lm.lib
         params = lib.llama_context_default_params()
         params.n_seq_max = n_seq
@@ -126,10 +143,12 @@ class _Contexts:
         lib = self.lm.lib
         lib.llama_memory_clear(lib.llama_get_memory(ctx), False)
         with self._lock:
-            if len(self._idle) < self.keep:
-                self._idle.append((n_seq, ctx, batch))
-                return
-        self.free(ctx, batch)
+            self.in_use -= 1
+            self._idle.append((n_seq, ctx, batch))
+            limit = self.keep if self.in_use else 1
+            surplus, self._idle = self._idle[:-limit], self._idle[-limit:]  # the oldest go
+        for _, old_ctx, old_batch in surplus:
+            self.free(old_ctx, old_batch)
 
     def free(self, ctx, batch) -> None:
         self.lm.lib.llama_batch_free(batch)
