@@ -67,6 +67,7 @@ class ReplicaPool(Generic[C]):
     _ring_members: frozenset = frozenset()
     _monitor: Optional[asyncio.Task] = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    on_probe: Optional[Callable[[int], None]] = None  # told the live replicas' count after each probe (metrics)
 
     def set_addresses(self, addresses: Sequence[str]) -> None:
         """Replace the replica set (from flags, a file or discovery); clients of kept replicas are reused."""
@@ -153,6 +154,8 @@ class ReplicaPool(Generic[C]):
     async def _run_monitor(self) -> None:
         while True:
             await self.probe_once()
+            if self.on_probe is not None:
+                self.on_probe(len(self.live()))
             await asyncio.sleep(self.probe_interval_s)
 
     async def close(self) -> None:

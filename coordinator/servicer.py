@@ -95,6 +95,8 @@ async def start_coordinator_server(redis_url: str, draft_addresses: Sequence[str
     metrics = ServiceMetrics("coordinator")
     store = SessionStore(redis_url, ttl_s=settings.session_ttl_s, **(redis_options or {}))
     draft_pool, target_pool = replica_pools(draft_addresses, target_addresses, settings, upstream_tls)
+    for pool in (draft_pool, target_pool):
+        pool.on_probe = metrics.replicas_live.labels(service=pool.name).set
     core = Coordinator(store, draft_pool, target_pool, settings, metrics)
     core.start()
     http = None

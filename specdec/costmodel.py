@@ -354,7 +354,8 @@ class CostStore:
 
 def _busy_cpu_seconds() -> Optional[float]:
     """CPU seconds all processes have kept the machine's CPUs busy since boot (/proc/stat: all but
-    idle and iowait), or None where that cannot be read."""
+    idle and iowait; a VM's steal time counts, since other guests disturb a timing as much), or
+    None where that cannot be read."""
     try:
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]

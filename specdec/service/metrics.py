@@ -25,6 +25,9 @@ class ServiceMetrics:
                                   registry=r)
         self.sessions = Gauge(f"{PREFIX}_sessions", "sessions held (KV caches in memory, or live generations)",
                               registry=r)
+        self.replicas_live = Gauge(f"{PREFIX}_replicas_live", "replicas of each service the coordinator calls "
+                                   "that are in its ring (serving, not cooling down after a failure)", ["service"],
+                                   registry=r)
         self.sessions_waiting = Gauge(f"{PREFIX}_sessions_waiting", "sessions waiting for a slot on a target "
                                       "(coordinator; vLLM's num_requests_waiting)", registry=r)
         self.session_rebuilds = Counter(f"{PREFIX}_session_rebuilds", "sessions rebuilt from their committed tokens",

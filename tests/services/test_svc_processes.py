@@ -60,6 +60,14 @@ def test_services_as_processes_match_plain_decoding_and_stop_on_sigterm(tmp_path
         async def scenario():
             for name, proc in procs.items():
                 await _wait_serving(f"127.0.0.1:{port_of[name]}", health[name], proc, timeout=120)
+            # the coordinator learns that the draft serves from its own health probes (its metrics say when)
+            live, coord_metrics = 'specdec_replicas_live{service="draft"} 1.0', f"http://127.0.0.1:{ports['m_coord']}/metrics"
+            for _ in range(200):
+                if live in urllib.request.urlopen(coord_metrics, timeout=5).read().decode():
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the coordinator never counted the draft replica live")
             client = CoordinatorClient(f"127.0.0.1:{ports['coord']}")
             try:
                 outs = await asyncio.gather(*(client.generate(client.request(token_ids=p, max_tokens=20))
