@@ -283,7 +283,7 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
         state = EagleState(**saved["state"])
         token_ids = saved["token_ids"]
     elif warm is not None:
-        state, token_ids = warm[0], warm[1]
+        state, token_ids, warm_weights = warm
     else:
         token_ids = frequent_tokens(examples, recipe.vocab, target.eos_token_ids)
 
@@ -326,7 +326,7 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
         torch.set_rng_state(saved["torch_rng"])
         log(f"resumed at step {state.step} ({state.tokens_seen} positions, {state.elapsed_s / 60:.1f} min)")
     elif warm is not None:
-        draft.load_state_dict(warm[2])
+        draft.load_state_dict(warm_weights)
         log(f"warm start from {out_dir} at step {state.step} ({state.tokens_seen} positions, "
             f"{state.elapsed_s / 60:.1f} min): fresh optimizer, new warm-up")
     rewarm_from = state.step if warm is not None else 0

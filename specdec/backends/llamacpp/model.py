@@ -280,7 +280,7 @@ class LlamaCppLM:
     returns_hidden = True  # forward(want_hidden=True): the final hidden state where logits are asked
     runs_trees = False  # causal chains only: see the module docstring
     stacks_caches = False  # a cache is a llama.cpp context: sessions run side by side instead (run_each)
-    greedy_steps = True  # greedy_step: the argmax is taken in llama.cpp's sampler, no logits copied out
+    greedy_steps = True  # greedy_step: the argmax read straight from llama.cpp's logits buffer, no copy
 
     def __init__(self, path: str | Path, name: Optional[str] = None, threads: Optional[int] = None,
                  context: Optional[int] = None, n_batch: int = 512):
