@@ -11,7 +11,7 @@ class CoordinatorSettings:
     default_max_tokens: int = 128
     default_k: int = 4
     max_k: int = 16
-    pipeline: bool = False  # draft block i+1 while block i is verified (see bench/services.py)
+    pipeline: bool = False  # draft block i+1 while block i is verified (see specdec/bench/services.py)
     step_streams: bool = True  # Propose / Verify on one stream per session and replica (False: a unary call per step)
     commit_behind: bool = True  # write step i to Redis while step i+1 runs (streams still see only written tokens)
     fallback_chunk: int = 8  # tokens per target-side Decode while the draft is out (then drafting is retried)

@@ -3,7 +3,7 @@ others wait their turn here, in arrival order (llama-server's slots, vLLM's wait
 
 Without them, every session that arrives starts at once: on a CPU target, 64 arrivals queue 64
 prefills on its one model thread, so each admitted session's next token waits behind every
-prompt that came after it (measured, `bench/load.py --real --streams 64`: inter-token p99 3.9 s,
+prompt that came after it (measured, `specdec/bench/load.py --real --streams 64`: inter-token p99 3.9 s,
 time to first token 75 s, a call past its 60 s deadline taking the only target out of the ring),
 and every session holds a llama.cpp context (~94 MB of KV for 4,096 tokens) at once. A session
 that waits holds nothing on the target, and a stream sees its first token when it gets a slot.

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Build llama.cpp's own server (llama-server) and llama-bench from the llama.cpp vendored in the
 # pinned llama-cpp-python, with the same portable flags as the set-up (scripts/llama-cmake-args.sh),
-# so that bench/serve.py compares specdec with the peer a CPU user would run instead, on the same
+# so that specdec/bench/serve.py compares specdec with the peer a CPU user would run instead, on the same
 # kernels. The binaries go under the user's cache folder, keyed by version and flags; the path of
 # llama-server is printed last. About 6 minutes on 2 cores the first time, nothing afterwards.
-#   bash scripts/build-llama-server.sh            # then: bench/serve.py finds it there
+#   bash scripts/build-llama-server.sh            # then: specdec/bench/serve.py finds it there
 #   bash scripts/build-llama-server.sh --check    # its path if built, else exit 1
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,7 @@ req=$(grep -o '"llama-cpp-python==[^"]*"' pyproject.toml | tr -d '"')
 flags="$(sh scripts/llama-cmake-args.sh) -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF"
 key=$(printf '%s\n' "$req" "$flags" "$(uname -m)" "$(${CC:-cc} --version 2>/dev/null | head -1)" | sha256sum | cut -c1-16)
 out="${XDG_CACHE_HOME:-$HOME/.cache}/specdec/llama-server/$key"
-if [ "${1:-}" = --check ]; then  # print the path if it is built, else exit 1 (bench/serve.py asks)
+if [ "${1:-}" = --check ]; then  # print the path if it is built, else exit 1 (specdec/bench/serve.py asks)
     [ -x "$out/bin/llama-server" ] && echo "$out/bin/llama-server" && exit 0
     exit 1
 fi

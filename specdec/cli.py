@@ -116,41 +116,12 @@ def _quiet_model_loading() -> None:
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train proposers for a target")
     tsub = p.add_subparsers(dest="train_command", required=True)
-    _add_train_medusa(tsub)
-    from specdec.training.commands import add_train_data, add_train_draft, add_train_eagle
+    from specdec.training.commands import add_train_data, add_train_draft, add_train_eagle, add_train_medusa
 
+    add_train_medusa(tsub)
     add_train_draft(tsub)
     add_train_eagle(tsub)
     add_train_data(tsub)
-
-
-def _add_train_medusa(tsub: argparse._SubParsersAction) -> None:
-    p = tsub.add_parser("medusa", help="train Medusa heads on a frozen target from its self-distilled answers")
-    p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--out", required=True, help="output directory: heads + config (and checkpoint.pt, hidden/ cache)")
-    p.add_argument("--data", action="append", default=None,
-                   help="self-distilled data: .jsonl(.gz) files, directories or globs (repeatable; "
-                        "default data/selfdistill)")
-    p.add_argument("--heads", type=int, default=4, help="number of heads K (default 4)")
-    p.add_argument("--layers", type=int, default=1, help="residual blocks per head (default 1)")
-    p.add_argument("--vocab", type=int, default=8192, help="draftable tokens, most frequent first (0 = all)")
-    p.add_argument("--time-budget", type=float, default=None, metavar="MIN", help="minutes of training (default 30)")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
-    p.add_argument("--batch", type=int, default=512, help="hidden states per step (default 512)")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (AdamW)")
-    p.add_argument("--checkpoint-every", type=float, default=3.0, metavar="MIN", help="minutes between checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue the run checkpointed in --out")
-    p.add_argument("--extra-prompts", type=int, default=0, metavar="N",
-                   help="also train on N generated training prompts (read only, no answers: cheap exact positions)")
-    p.add_argument("--backend", default="hf", choices=["hf", "fast"],
-                   help="how the target runs while its hidden states are computed (fast: same outputs, faster on CPU)")
-    p.set_defaults(func=_cmd_train_medusa)
-
-
-def _cmd_train_medusa(args: argparse.Namespace) -> int:
-    from specdec.training.medusa import run_training_cli
-
-    return run_training_cli(args)
 
 
 def _lookahead_config(args: argparse.Namespace):
@@ -173,13 +144,13 @@ def _add_client(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from specdec.bench_cli import add_bench
+    from specdec.bench.cli import add_bench
 
     add_bench(sub)
 
 
 def _add_cost_curve(sub: argparse._SubParsersAction) -> None:
-    from specdec.bench_cli import add_cost_curve
+    from specdec.bench.cli import add_cost_curve
 
     add_cost_curve(sub)
 

@@ -95,7 +95,7 @@ AUTO_ALPHA = 0.5
 
 # How much better than plain the prediction must be: prompt lookup's acceptance on chat, code and
 # qa prompts is 0.1-0.3, not AUTO_ALPHA, and at a predicted 1.04x (llama.cpp, v(2) = 1.44) it ran
-# at 0.65x plain through the target service (bench/serve.py, 2 threads).
+# at 0.65x plain through the target service (specdec/bench/serve.py, 2 threads).
 AUTO_MARGIN = 1.15
 
 

@@ -43,7 +43,7 @@ Each step rides on the target's ordinary verification forward, in one block:
 Cost, and a rule for choosing W, N, G. A step feeds q = 1 + c + (W * (N - 1) - 1) inputs,
 c <= G * (N - 1) candidate nodes (fewer when guesses share prefixes), costs v(q) plain steps
 and emits tau tokens, so tokens/s over plain is tau / v(q). Rule: choose the (W, N, G) that
-maximises tau / v(q), with v measured on the machine that serves (`bench/lookahead_tune.py`,
+maximises tau / v(q), with v measured on the machine that serves (`specdec/bench/lookahead_tune.py`,
 or `specdec.costmodel.measure_verify_cost`) and tau from a few prompts of the workload (tau
 needs no quiet machine: `--tau-only`). What moves tau: N (an accepted guess is worth up to
 N - 1 tokens; N - 1 must not exceed the loop's `k`, which caps the guess depth), then W (how

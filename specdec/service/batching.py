@@ -10,7 +10,7 @@ arrives within that much is cheaper to take along than to serve in a batch of it
 
 Measured against continuous batching (a batch starts as soon as the model thread is free and
 takes whatever queued meanwhile; window 0, no stretch), SmolLM2-135M on a shared 2-core CPU,
-`bench/services.py --prompts 3 --max-new-tokens 32 --concurrency 8 --rounds 3 --threads 1
+`specdec/bench/services.py --prompts 3 --max-new-tokens 32 --concurrency 8 --rounds 3 --threads 1
 --profile`: 8 sessions gave 1.46x one session with continuous batching against 1.73-1.75x with
 this wait. Continuous batching ran the target on ~3 sessions per forward instead of ~5.5 and
 the draft on ~2 instead of ~5, and on a CPU a forward over more sessions costs much less per

@@ -56,7 +56,7 @@ class ServiceMetrics:
         self.prefix_cache_evictions = Counter(f"{PREFIX}_prefix_cache_evictions", "prefix cache entries evicted",
                                               registry=r)
         # The coordinator's per-step timeline (propose, verify, decode, commit, notify, step, detokenize):
-        # where a step's wall time goes, as bench/services.py --profile prints it.
+        # where a step's wall time goes, as specdec/bench/services.py --profile prints it.
         self.step_phase = Histogram(f"{PREFIX}_step_phase_seconds", "time per phase of a session step", ["phase"],
                                     registry=r, buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, 1))
 

@@ -16,20 +16,56 @@ def _target_name(spec) -> str:
     return DEFAULT_TARGET if spec in (None, DEFAULT_TARGET) else Path(spec).name
 
 
+def add_train_medusa(tsub: argparse._SubParsersAction) -> None:
+    p = tsub.add_parser("medusa", help="train Medusa heads on a frozen target from its self-distilled answers")
+    p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="output directory: heads + config (and checkpoint.pt, hidden/ cache)")
+    p.add_argument("--data", action="append", default=None,
+                   help="self-distilled data: .jsonl(.gz) files, directories or globs (repeatable; "
+                        "default data/selfdistill)")
+    p.add_argument("--heads", type=int, default=4, help="number of heads K (default 4)")
+    p.add_argument("--layers", type=int, default=1, help="residual blocks per head (default 1)")
+    p.add_argument("--vocab", type=int, default=8192, help="draftable tokens, most frequent first (0 = all)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="MIN", help="minutes of training (default 30)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    p.add_argument("--batch", type=int, default=512, help="hidden states per step (default 512)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (AdamW)")
+    p.add_argument("--checkpoint-every", type=float, default=3.0, metavar="MIN", help="minutes between checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue the run checkpointed in --out")
+    p.add_argument("--extra-prompts", type=int, default=0, metavar="N",
+                   help="also train on N generated training prompts (read only, no answers: cheap exact positions)")
+    p.add_argument("--backend", default="hf", choices=["hf", "fast"],
+                   help="how the target runs while its hidden states are computed (fast: same outputs, faster on CPU)")
+    p.set_defaults(func=_cmd_train_medusa)
+
+
+def _cmd_train_medusa(args: argparse.Namespace) -> int:
+    from specdec.training.medusa import run_training_cli
+
+    return run_training_cli(args)
+
+
+def _run_arguments(p: argparse.ArgumentParser, what: str, *, data: str, work: str, minutes: str, steps: str) -> None:
+    """The arguments every resumable training run takes: the target, where the result and the
+    run's state go, the data, and a budget in minutes or steps."""
+    p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, type=Path, help=f"{what} directory to write (rewritten at every checkpoint)")
+    p.add_argument("--data", action="append", type=Path, default=None,
+                   help=f"self-distilled data directory (repeatable; {data})")
+    p.add_argument("--work", type=Path, default=None, help=work)
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--time-budget", type=float, default=None, metavar="MIN", help=minutes)
+    budget.add_argument("--steps", type=int, default=None, help=steps)
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --work")
+
+
 def add_train_draft(tsub: argparse._SubParsersAction) -> None:
     from specdec.training.draft import DraftRecipe
 
     d = DraftRecipe()
     p = tsub.add_parser("draft", help="distil a small draft (target layers + frequent-token head) from the target")
-    p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--out", required=True, type=Path, help="draft directory to write (rewritten at every checkpoint)")
-    p.add_argument("--data", action="append", type=Path, default=None,
-                   help="self-distilled data directory (repeatable; default data/selfdistill)")
-    p.add_argument("--work", type=Path, default=None, help="checkpoint + teacher cache folder (default runs/draft)")
-    budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--time-budget", type=float, default=None, metavar="MIN", help="minutes of training")
-    budget.add_argument("--steps", type=int, default=None, help="optimiser steps")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --work")
+    _run_arguments(p, "draft", data="default data/selfdistill", work="checkpoint + teacher cache folder (default runs/draft)",
+                   minutes="minutes of training", steps="optimiser steps")
     p.add_argument("--layers", default=",".join(map(str, d.layers)),
                    help=f"target layers copied into the draft (default {','.join(map(str, d.layers))})")
     p.add_argument("--vocab", type=int, default=d.vocab, help=f"draft output vocabulary size (default {d.vocab})")
@@ -73,19 +109,10 @@ def add_train_eagle(tsub: argparse._SubParsersAction) -> None:
 
     d = EagleRecipe()
     p = tsub.add_parser("eagle", help="train an EAGLE draft (one decoder layer over the target's features)")
-    p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--out", required=True, type=Path, help="EAGLE directory to write (rewritten at every checkpoint)")
-    p.add_argument("--data", action="append", type=Path, default=None,
-                   help=f"self-distilled data directory (repeatable; default: those of "
-                        f"{', '.join(map(str, EAGLE_DATA))} that exist)")
-    p.add_argument("--work", type=Path, default=None,
-                   help="checkpoint + teacher feature cache folder (default runs/eagle)")
-    budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--time-budget", type=float, default=None, metavar="MIN",
-                        help="minutes, teacher pass included (it takes at most half), summed over resumed runs")
-    budget.add_argument("--steps", type=int, default=None,
-                        help="optimizer steps (after a teacher pass over all the data)")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --work")
+    _run_arguments(p, "EAGLE", data=f"default: those of {', '.join(map(str, EAGLE_DATA))} that exist",
+                   work="checkpoint + teacher feature cache folder (default runs/eagle)",
+                   minutes="minutes, teacher pass included (it takes at most half), summed over resumed runs",
+                   steps="optimizer steps (after a teacher pass over all the data)")
     p.add_argument("--vocab", type=int, default=d.vocab, help=f"draftable vocabulary size (default {d.vocab})")
     p.add_argument("--tokens-per-step", type=int, default=d.tokens_per_step,
                    help=f"positions per optimizer step (default {d.tokens_per_step})")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from specdec.bench import BASELINE, BenchConfig, BenchPrompt, run_bench, select_rows, summarize, RunRecord
+from specdec.bench.methods import BASELINE, BenchConfig, BenchPrompt, run_bench, select_rows, summarize, RunRecord
 from specdec.errors import InvalidRequest
 from specdec.models import LoadedModel
 from specdec.testing import perturbed_copy, tiny_llama
@@ -95,7 +95,7 @@ def test_gpu_script_runs_its_cpu_subset_and_writes_table_and_plot(tmp_path):
 
 
 def test_a_method_that_raises_is_dropped_and_reported_not_fatal():
-    from specdec.bench import run_interleaved
+    from specdec.bench.methods import run_interleaved
 
     def ok(prompt):
         return RunRecord("", prompt.id, prompt.category, (1,), 0.1, 1)
@@ -111,7 +111,7 @@ def test_a_method_that_raises_is_dropped_and_reported_not_fatal():
 def test_bench_runs_a_specdec_draft_directory_on_both_backends(tmp_path):
     import torch
 
-    from specdec.bench import _on_backend, load_draft_for_bench
+    from specdec.bench.methods import _on_backend, load_draft_for_bench
     from specdec.backends.subset_head import SubsetHeadLM
     from specdec.drafts import build_from_target, save_draft
     from specdec.backends.fast import FastLlamaLM

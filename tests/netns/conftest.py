@@ -32,7 +32,7 @@ from tests.tlscerts import make_ca
 
 ROLES = ("coord", "redis", "draft", "target")
 PORTS = {"coord": 50051, "redis": 6379, "draft": 50061, "target": 50062}
-SLOW_SERVICE = Path(__file__).resolve().parents[2] / "bench" / "slow_service.py"
+SLOW_SERVICE = ("-m", "specdec.bench.slow_service")
 TOKEN = "netns-test-token-5b1f"
 
 
@@ -155,8 +155,8 @@ def netbed(tmp_path_factory):
                             "--save", "", "--appendonly", "no", "--dir", str(d), "--protected-mode", "no"])
         for role, model_flag in (("target", "--target"), ("draft", "--draft")):
             cert, key = certs[role]
-            # The target sleeps 25 ms per model call (bench/slow_service.py): a stream long enough to cut.
-            program = [str(SLOW_SERVICE), "target", "--delay-ms", "25"] if role == "target" else ["-m", "draft_service"]
+            # The target sleeps 25 ms per model call (specdec/bench/slow_service.py): a stream long enough to cut.
+            program = [*SLOW_SERVICE, "target", "--delay-ms", "25"] if role == "target" else ["-m", "draft_service"]
             bed.start(role, [py, *program, "--host", bed.addr(role), "--port", str(PORTS[role]),
                              "--metrics-port", "-1", model_flag, str(d / f"{role}-model"), "--threads", "1",
                              "--tls-cert", cert, "--tls-key", key, "--tls-client-ca", ca.cert])

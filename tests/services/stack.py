@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
-from bench.slow_service import SlowLM
+from specdec.bench.slow_service import SlowLM
 from coordinator.core import CoordinatorSettings
 from coordinator.servicer import start_coordinator_server
 from draft_service.core import DraftSettings

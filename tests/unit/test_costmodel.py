@@ -76,13 +76,13 @@ def test_measure_verify_cost_rejects_a_context_longer_than_the_model(tiny_target
 
 
 def test_parse_ks_expands_ranges_and_lists():
-    from specdec.bench_cli import parse_ks
+    from specdec.bench.cli import parse_ks
 
     assert parse_ks("1-3,8,2") == [1, 2, 3, 8]
 
 
 def test_parse_ks_rejects_garbage_with_a_clear_error():
-    from specdec.bench_cli import parse_ks
+    from specdec.bench.cli import parse_ks
     from specdec.errors import SpecdecError
 
     with pytest.raises(SpecdecError, match="--ks"):

@@ -10,7 +10,8 @@ Layers, lowest first; a module may import its own layer and those below, never o
   runtime   specdec/service/: batching, session table, metrics: the services' grpc-free runtime
   wire      specdec/rpc/: generated stubs, conversion, serving, clients, security
   services  draft_service/, target_service/, coordinator/
-  app       specdec/app/ (`specdec up`, `specdec client`) and the CLI entry points
+  app       specdec/app/ (`specdec up`, `specdec client`), specdec/bench/ (every benchmark) and
+            the CLI entry points
 The cores of the services (`*/core.py` and what they import of their own package) sit below the
 wire: they load no grpc (checked here at run time too, in a fresh interpreter)."""
 
@@ -28,7 +29,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("specdec", "draft_service", "target_service", "coordinator")
 LAYERS = ("base", "backends", "core", "runtime", "wire", "services", "app")
-APP_MODULES = {"specdec.cli", "specdec.__main__", "specdec.bench_cli"}
+APP_MODULES = {"specdec.cli", "specdec.__main__"}
 
 
 def module_name(path: Path) -> str:
@@ -89,7 +90,7 @@ def layer(name: str) -> str:
         return "base"
     if name.startswith("specdec.backends") and name != "specdec.backends.choice":
         return "backends"
-    if name in APP_MODULES or name.startswith("specdec.app"):
+    if name in APP_MODULES or name.startswith(("specdec.app", "specdec.bench")):
         return "app"
     if name.startswith("specdec.service"):
         return "runtime"
@@ -220,11 +221,11 @@ def test_only_specdec_rpc_imports_grpc_and_nothing_in_specdec_imports_redis():
 
 def _core_modules() -> list[str]:
     """Every module of the core and of the service runtime (specdec outside the wire, specdec/rpc/,
-    and the application, specdec/app/), entry points aside."""
+    and the application, specdec/app/ and specdec/bench/), entry points aside."""
     names = []
     for path in sorted((ROOT / "specdec").rglob("*.py")):
         rel = path.relative_to(ROOT)
-        if rel.parts[:2] in (("specdec", "rpc"), ("specdec", "app")) or path.name == "__main__.py":
+        if rel.parts[:2] in (("specdec", "rpc"), ("specdec", "app"), ("specdec", "bench")) or path.name == "__main__.py":
             continue
         names.append(".".join(rel.with_suffix("").parts).removesuffix(".__init__"))
     return names

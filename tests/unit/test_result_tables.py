@@ -1,29 +1,21 @@
 """Every table of measured figures in README.md and bench/results-serve/README.md is the one
-bench/tables.py generates from the committed results (none typed by hand, none left stale)."""
+specdec/bench/tables.py generates from the committed results (none typed by hand, none left stale)."""
 
-import importlib.util
 from pathlib import Path
+
+from specdec.bench import tables
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _tables():
-    spec = importlib.util.spec_from_file_location("bench_tables", ROOT / "bench" / "tables.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_the_generated_tables_match_the_committed_results():
-    tables = _tables()
     for doc in (ROOT / "README.md", ROOT / "bench" / "results-serve" / "README.md"):
         text = doc.read_text()
         assert tables.BLOCK.search(text), f"{doc.name} has no generated table"
-        assert tables.rewrite(text) == text, f"{doc} is stale: run `python bench/tables.py --write`"
+        assert tables.rewrite(text) == text, f"{doc} is stale: run `python -m specdec.bench.tables --write`"
 
 
 def test_a_table_says_where_when_and_on_which_commit_it_was_measured():
-    tables = _tables()
     body = tables.render("threads-2 headline")
     assert "| specdec up |" in body and "| llama-server |" in body
     stamp = tables.load("threads-2")["stamp"]

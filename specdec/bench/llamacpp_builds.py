@@ -3,7 +3,7 @@ of the embedded Q4_1 GGUF through specdec's LlamaCppLM, each build in its own pr
 interleaved round by round (so drift hits all alike); medians over rounds of the best of 2 timed
 repeats per process.
 
-    python bench/llamacpp_builds.py [--threads 2,1] [--rounds 3] NAME=SITE_DIR ...
+    python -m specdec.bench.llamacpp_builds [--threads 2,1] [--rounds 3] NAME=SITE_DIR ...
         # SITE_DIR: where `pip install --target SITE_DIR llama_cpp_python-*.whl` put a build;
         # "NAME=" (empty) is the build installed in this environment.
 

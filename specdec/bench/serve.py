@@ -2,7 +2,7 @@
 `openai` SDK): `specdec up` (the product) and llama-server (llama.cpp's own server, what a CPU user
 would run instead; build it with `bash scripts/build-llama-server.sh`), on the same GGUF.
 
-    python bench/serve.py [--threads 2] [--prompts 2] [--max-tokens 64] [--rounds 2] [--concurrency 1,8]
+    python -m specdec.bench.serve [--threads 2] [--prompts 2] [--max-tokens 64] [--rounds 2] [--concurrency 1,8]
                           [--stream] [--peer-cache off|on] [--servers specdec,llama-server[,inprocess]]
                           [--specdec-method auto] [--specdec-backend auto|fast|llamacpp]
                           [--workload prompts|two-turn] [--json FILE]
@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from specdec.app.launcher import die_with_parent, free_port
+from specdec.bench import checkout
+from specdec.prompt_sets import read_prompt_rows
 
-from specdec.prompt_sets import read_prompt_rows  # noqa: E402
-from specdec.app.launcher import die_with_parent, free_port  # noqa: E402
+ROOT = checkout()
 
 PEER = "llama-server"  # what the ratios and text comparisons are against, when it runs
 CATEGORIES = ("chat", "code", "math", "qa", "rag", "summarization", "translation")
@@ -371,7 +371,7 @@ def main(argv=None) -> int:
         elif name == "llama-server":
             binary = llama_server_binary()
             if binary is None:
-                print("bench/serve.py: llama-server is not built: run `bash scripts/build-llama-server.sh` "
+                print("specdec/bench/serve.py: llama-server is not built: run `bash scripts/build-llama-server.sh` "
                       "(~6 minutes on 2 cores); measuring without it", file=sys.stderr)
                 continue
             servers.append(start_llama_server(binary, args.threads, max(concurrency), args.peer_cache == "on", logs))

@@ -1,6 +1,6 @@
 """Services vs in-process speculative decoding, concurrency, and pipelining, on this machine.
 
-    nice -n 10 python bench/services.py [--prompts 4] [--max-new-tokens 48] [--k 4] [--delay-ms 50]
+    nice -n 10 python -m specdec.bench.services [--prompts 4] [--max-new-tokens 48] [--k 4] [--delay-ms 50]
                                         [--target DIR] [--draft DIR] [--threads N] [--json OUT]
                                         [--backend auto|hf|fast] [--target-backend llamacpp]
 
@@ -11,7 +11,7 @@ Measures, greedy, on dev prompts (one per category, chat template, first turn):
 3. 8 concurrent sessions (aggregate tokens/s) vs one at a time, and vs in process with the same
    8 prompts as the rows of one speculative_generate batch;
 4. pipelining on vs off, without and with an artificial delay on every target step (a stand-in
-   for a busy GPU or a network hop: the target's model sleeps, using no CPU; bench/slow_service.py);
+   for a busy GPU or a network hop: the target's model sleeps, using no CPU; specdec/bench/slow_service.py);
 5. the same coordinator streamed through gRPC and through its OpenAI-compatible HTTP API (SSE):
    tokens/s and time to first token side by side (`--api-only`: just 5, and in-process plain).
 Every run is checked token for token against plain decoding. Numbers are tokens/s of generated
@@ -46,9 +46,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Optional
-
-HERE = Path(__file__).resolve().parent
-
 
 def load_prompts(tokenizer, n: int) -> list[list[int]]:
     from specdec.models import format_prompt
@@ -324,7 +321,7 @@ def print_profile(results: dict, spec: dict, batched: dict, concurrency: int) ->
         row(f"CPU {name} by thread", lambda p, n, name=name: p[f"threads {name}"])
 
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=48)
@@ -357,11 +354,137 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="with --profile: also a coordinator started with these extra flags, e.g. "
                          "'serial commit=--no-commit-behind' (measured in the same interleaved rounds)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.pin and len(os.sched_getaffinity(0)) < 2:
+        ap.error("--pin needs at least 2 CPUs")
+    return args
 
+
+class Stack:
+    """redis-server, a draft, a target (and with the full run a slowed target) and the
+    coordinators the run compares, each its own process on loopback. `alone`/`rest`: with
+    --pin, the target's CPU and everyone else's."""
+
+    def __init__(self, args: argparse.Namespace):
+        from specdec.app.launcher import RedisServer, free_port
+
+        self.args = args
+        cpus = sorted(os.sched_getaffinity(0))
+        self.alone, self.rest = ({cpus[-1]}, set(cpus[:-1])) if args.pin else (None, None)
+        self.logs = Path(args.log_dir)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.procs = Procs()
+        self.redis = RedisServer().start()
+        if args.pin:
+            os.sched_setaffinity(self.redis.proc.pid, self.rest)
+        self.variants = dict(v.split("=", 1) for v in args.variant) if args.profile else {}
+        self.vnames = {name: f"c_v{i}" for i, name in enumerate(self.variants)}
+        self.coords = {"c_plain": ("target", False)}  # coordinator -> (its target, pipelined)
+        if not (args.api_only or args.profile):
+            self.coords.update(c_pipe=("target", True), c_slow=("target_slow", False),
+                               c_slow_pipe=("target_slow", True))
+        self.coords.update({c: ("target", False) for c in self.vnames.values()})
+        names = ("draft", "target", "target_slow", *self.coords)
+        self.ports = {name: free_port() for name in names}
+        # --profile reads the draft's, the target's and the coordinators' metrics.
+        self.mports = ({name: free_port() for name in ("draft", "target", "c_plain", *self.vnames.values())}
+                       if args.profile else {})
+        self.http_url = f"http://127.0.0.1:{free_port()}"
+        self.started: dict[str, subprocess.Popen] = {}
+        self.health: dict[str, str] = {}
+
+    def addr(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def _start(self, name: str, service: str, *argv: str, cpus=None) -> None:
+        self.started[name] = self.procs.start(*argv, "--host", "127.0.0.1", "--port", str(self.ports[name]),
+                                              "--metrics-port", str(self.mports.get(name, -1)),
+                                              log=self.logs / f"{name}.log", cpus=cpus)
+        self.health[name] = f"specdec.rpc.v1.{service}"
+
+    def start(self, target_backend: str) -> "Stack":
+        from specdec.app.launcher import _wait_serving
+
+        a = self.args
+        threads = ["--threads", str(a.threads)] if a.threads else []
+        slow = ("-m", "specdec.bench.slow_service")
+        draft = ((*slow, "draft", "--delay-ms", str(a.draft_delay_ms)) if a.draft_delay_ms else ("-m", "draft_service"))
+        self._start("draft", "DraftService", *draft, *(["--draft", a.draft] if a.draft else []), *threads,
+                    "--backend", a.backend, *a.service_flags.split(), cpus=self.rest)
+        target = [*(["--target", a.target] if a.target else []), *threads, "--backend", target_backend,
+                  *a.service_flags.split()]
+        self._start("target", "TargetService", "-m", "target_service", *target, cpus=self.alone)
+        if "c_slow" in self.coords:
+            self._start("target_slow", "TargetService", *slow, "target", "--delay-ms", str(a.delay_ms), *target,
+                        cpus=self.alone)
+        extra = {c: self.variants[v].split() for v, c in self.vnames.items()}
+        http_port = self.http_url.rsplit(":", 1)[1]
+        for name, (tgt, pipe) in self.coords.items():
+            self._start(name, "Coordinator", "-m", "coordinator", "--http-port", http_port if name == "c_plain" else "-1",
+                        "--redis-url", self.redis.url, "--draft-replicas", self.addr("draft"),
+                        "--target-replicas", self.addr(tgt), "--pipeline" if pipe else "--no-pipeline",
+                        *extra.get(name, []), cpus=self.rest)
+
+        async def wait_all():
+            for name, proc in self.started.items():
+                await _wait_serving(self.addr(name), self.health[name], proc, timeout=900)
+
+        asyncio.run(wait_all())
+        return self
+
+    def stop(self) -> None:
+        self.procs.stop()
+        self.redis.stop()
+
+
+def configurations(args, stack: Stack, target, draft, prompts) -> dict:
+    """The runs to interleave, by name (each returns its numbers)."""
+    n, k, many = args.max_new_tokens, args.k, [prompts[i % len(prompts)] for i in range(args.concurrency)]
+    via = lambda c, ps=prompts, conc=False: lambda: asyncio.run(through(stack.addr(c), ps, n, k, conc))  # noqa: E731
+    batched, conc, d = (f"in-process speculative, {args.concurrency} batched", f"services, {args.concurrency} concurrent",
+                        f"{args.delay_ms:g}")
+    inproc = {
+        "in-process plain": lambda: in_process_run(target, draft, prompts, n, k, "plain"),
+        "in-process speculative": lambda: in_process_run(target, draft, prompts, n, k, "speculative"),
+        batched: lambda: in_process_run(target, draft, many, n, k, "speculative", batched=True),
+    }
+    api = {
+        "services, gRPC stream": lambda: asyncio.run(streamed("grpc", stack.addr("c_plain"), prompts, n, k)),
+        "services, HTTP stream (OpenAI API)": lambda: asyncio.run(streamed("http", stack.http_url, prompts, n, k)),
+    }
+    if args.api_only:
+        return {"in-process plain": inproc["in-process plain"], **api}
+    if args.profile:
+        pids = {"draft": stack.started["draft"].pid, "target": stack.started["target"].pid,
+                "redis": stack.redis.proc.pid, "bench client": os.getpid(),
+                **{c: stack.started[c].pid for c in stack.coords}}
+        prof = Profiler(stack.mports, pids)
+        out = {"in-process speculative": inproc["in-process speculative"], batched: inproc[batched]}
+        for label, c in [("", "c_plain"), *((f" [{v}]", c) for v, c in stack.vnames.items())]:
+            out[f"services{label}"] = lambda c=c: prof.measure(via(c), c)
+            out[f"{conc}{label}"] = lambda c=c: prof.measure(via(c, many, True), c)
+        return out
+    return {**inproc, "services": via("c_plain"), conc: via("c_plain", many, True),
+            "services, pipelined": via("c_pipe"), f"services, target +{d} ms/step": via("c_slow"),
+            f"services, target +{d} ms/step, pipelined": via("c_slow_pipe"), **api}
+
+
+def interleaved(configs: dict, rounds: int, stack: Stack) -> dict[str, list[dict]]:
+    """Every configuration once a round, so a noisy neighbour hits all of them alike."""
+    runs: dict[str, list[dict]] = {}
+    for r in range(rounds):
+        for name, fn in configs.items():
+            if stack.args.pin:  # in process: the target's CPU, alone; a client of the services: with the rest
+                os.sched_setaffinity(0, stack.alone if name.startswith("in-process") else stack.rest)
+            runs.setdefault(name, []).append(fn())
+            print(f"round {r + 1} {name}: {runs[name][-1]['tok_s']:.2f} tok/s", flush=True)
+    return runs
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     from draft_service.models import load_draft
     from specdec.models import load_model
-    from specdec.app.launcher import RedisServer, _wait_serving, free_port
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # clean up children
     if args.threads:
@@ -372,126 +495,32 @@ def main() -> int:
     loaded = load_model(args.target, backend=target_backend)
     draft = load_draft(args.draft, backend=args.backend)
     prompts = load_prompts(loaded.tokenizer, args.prompts)
-    n, k = args.max_new_tokens, args.k
-    print(f"# {len(prompts)} prompts x {n} tokens, k={k}, {args.rounds} interleaved rounds, target {loaded.lm.name}, "
-          f"draft {draft.name}, draft delay {args.draft_delay_ms:g} ms, backend {args.backend}, target backend "
-          f"{target_backend}", flush=True)
-
-    logs = Path(args.log_dir)
-    logs.mkdir(parents=True, exist_ok=True)
-    cpus = sorted(os.sched_getaffinity(0))
-    if args.pin and len(cpus) < 2:
-        ap.error("--pin needs at least 2 CPUs")
-    alone, rest = ({cpus[-1]}, set(cpus[:-1])) if args.pin else (None, None)
-    redis = RedisServer().start()
-    procs = Procs()
-    if args.pin:
-        os.sched_setaffinity(redis.proc.pid, rest)
-    ports = {name: free_port() for name in ("draft", "target", "target_slow", "c_plain", "c_pipe", "c_slow",
-                                             "c_slow_pipe")}
-    threads = ["--threads", str(args.threads)] if args.threads else []
-    model_flags = threads + ["--backend", args.backend] + args.service_flags.split()
-    runs: dict[str, list[dict]] = {}
+    print(f"# {len(prompts)} prompts x {args.max_new_tokens} tokens, k={args.k}, {args.rounds} interleaved rounds, "
+          f"target {loaded.lm.name}, draft {draft.name}, draft delay {args.draft_delay_ms:g} ms, backend "
+          f"{args.backend}, target backend {target_backend}", flush=True)
+    stack = Stack(args)
     try:
-        slow = str(Path(__file__).with_name("slow_service.py"))
-        draft_run = [slow, "draft", "--delay-ms", str(args.draft_delay_ms)] if args.draft_delay_ms else ["-m", "draft_service"]
-        draft_argv = draft_run + ["--host", "127.0.0.1", "--port", str(ports["draft"])] + (
-            ["--draft", args.draft] if args.draft else []) + model_flags
-        target_extra = ((["--target", args.target] if args.target else []) + threads
-                        + ["--backend", target_backend] + args.service_flags.split())
-        health = {"draft": "specdec.rpc.v1.DraftService", "target": "specdec.rpc.v1.TargetService",
-                  "target_slow": "specdec.rpc.v1.TargetService"}
-        variants = dict(v.split("=", 1) for v in args.variant) if args.profile else {}
-        vnames = {name: f"c_v{i}" for i, name in enumerate(variants)}
-        ports.update({c: free_port() for c in vnames.values()})
-        # --profile reads the draft's, the target's and the coordinators' metrics.
-        mports = ({name: free_port() for name in ("draft", "target", "c_plain", *vnames.values())}
-                  if args.profile else {})
-        mflag = lambda name: ["--metrics-port", str(mports.get(name, -1))]  # noqa: E731
-        draft_argv += mflag("draft")
-        started = {
-            "draft": procs.start(*draft_argv, log=logs / "draft.log", cpus=rest),
-            "target": procs.start("-m", "target_service", "--host", "127.0.0.1", "--port", str(ports["target"]),
-                                  *mflag("target"), *target_extra, log=logs / "target.log", cpus=alone),
-        }
-        coords = {"c_plain": ("target", False)}
-        if not (args.api_only or args.profile):
-            started["target_slow"] = procs.start(slow, "target", "--delay-ms", str(args.delay_ms), "--host",
-                                                 "127.0.0.1", "--port", str(ports["target_slow"]), "--metrics-port",
-                                                 "-1", *target_extra, log=logs / "target_slow.log", cpus=alone)
-            coords.update(c_pipe=("target", True), c_slow=("target_slow", False), c_slow_pipe=("target_slow", True))
-        if args.profile:
-            coords.update({c: ("target", False) for c in vnames.values()})
-        extra = {c: variants[v].split() for v, c in vnames.items()}
-        http_port = free_port()
-        for name, (tgt, pipe) in coords.items():
-            started[name] = procs.start("-m", "coordinator", "--host", "127.0.0.1", "--port", str(ports[name]),
-                                        "--http-port", str(http_port if name == "c_plain" else -1),
-                                        *mflag(name), "--redis-url", redis.url,
-                                        "--draft-replicas", f"127.0.0.1:{ports['draft']}",
-                                        "--target-replicas", f"127.0.0.1:{ports[tgt]}",
-                                        "--pipeline" if pipe else "--no-pipeline", *extra.get(name, []),
-                                        log=logs / f"{name}.log", cpus=rest)
-            health[name] = "specdec.rpc.v1.Coordinator"
-
-        async def wait_all():
-            for name, proc in started.items():
-                await _wait_serving(f"127.0.0.1:{ports[name]}", health[name], proc, timeout=900)
-
-        asyncio.run(wait_all())
-        addr = lambda name: f"127.0.0.1:{ports[name]}"  # noqa: E731
-        http_url = f"http://127.0.0.1:{http_port}"
-        for name in coords:  # warm-up: first forward passes, tokenizer
-            asyncio.run(through(addr(name), prompts[:1], 4, k))
-        asyncio.run(streamed("http", http_url, prompts[:1], 4, k))
-        many = [prompts[i % len(prompts)] for i in range(args.concurrency)]
-        d = f"{args.delay_ms:g}"
-        api = {
-            "services, gRPC stream": lambda: asyncio.run(streamed("grpc", addr("c_plain"), prompts, n, k)),
-            "services, HTTP stream (OpenAI API)": lambda: asyncio.run(streamed("http", http_url, prompts, n, k)),
-        }
-        configs = {
-            "in-process plain": lambda: in_process_run(loaded.lm, draft, prompts, n, k, "plain"),
-            "in-process speculative": lambda: in_process_run(loaded.lm, draft, prompts, n, k, "speculative"),
-            f"in-process speculative, {args.concurrency} batched": lambda: in_process_run(
-                loaded.lm, draft, many, n, k, "speculative", batched=True),
-            "services": lambda: asyncio.run(through(addr("c_plain"), prompts, n, k)),
-            f"services, {args.concurrency} concurrent": lambda: asyncio.run(through(addr("c_plain"), many, n, k,
-                                                                                    True)),
-            "services, pipelined": lambda: asyncio.run(through(addr("c_pipe"), prompts, n, k)),
-            f"services, target +{d} ms/step": lambda: asyncio.run(through(addr("c_slow"), prompts, n, k)),
-            f"services, target +{d} ms/step, pipelined": lambda: asyncio.run(through(addr("c_slow_pipe"), prompts,
-                                                                                      n, k)),
-            **api,
-        }
-        if args.api_only:
-            configs = {"in-process plain": configs["in-process plain"], **api}
-        if args.profile:
-            pids = {"draft": started["draft"].pid, "target": started["target"].pid, "redis": redis.proc.pid,
-                    "bench client": os.getpid(), **{c: started[c].pid for c in coords}}
-            prof = Profiler(mports, pids)
-            batched = f"in-process speculative, {args.concurrency} batched"
-            configs = {"in-process speculative": configs["in-process speculative"], batched: configs[batched]}
-            for label, c in [("", "c_plain"), *((f" [{v}]", c) for v, c in vnames.items())]:
-                configs[f"services{label}"] = lambda c=c: prof.measure(
-                    lambda: asyncio.run(through(addr(c), prompts, n, k)), c)
-                configs[f"services, {args.concurrency} concurrent{label}"] = lambda c=c: prof.measure(
-                    lambda: asyncio.run(through(addr(c), many, n, k, True)), c)
-        for r in range(args.rounds):  # interleaved, so a noisy neighbour hits every configuration alike
-            for name, fn in configs.items():
-                if args.pin:  # in process: the target's CPU, alone; a client of the services: with the rest
-                    os.sched_setaffinity(0, alone if name.startswith("in-process") else rest)
-                runs.setdefault(name, []).append(fn())
-                print(f"round {r + 1} {name}: {runs[name][-1]['tok_s']:.2f} tok/s", flush=True)
+        stack.start(target_backend)
+        for name in stack.coords:  # warm-up: first forward passes, tokenizer
+            asyncio.run(through(stack.addr(name), prompts[:1], 4, args.k))
+        asyncio.run(streamed("http", stack.http_url, prompts[:1], 4, args.k))
+        runs = interleaved(configurations(args, stack, loaded.lm, draft, prompts), args.rounds, stack)
     finally:
-        procs.stop()
-        redis.stop()
+        stack.stop()
+    report(args, runs, loaded.tokenizer)
+    if args.json:
+        Path(args.json).write_text(json.dumps({name: [{kk: vv for kk, vv in r.items() if kk != "outputs"} for r in rs]
+                                               for name, rs in runs.items()}, indent=1))
+    return 0
 
-    # Per configuration: the run with the median tokens/s.
+
+def report(args, runs: dict[str, list[dict]], tokenizer) -> None:
+    """Per configuration the run with the median tokens/s, checked against plain decoding, and
+    the ratios the benchmark is for."""
     results = {name: sorted(rs, key=lambda x: x["tok_s"])[len(rs) // 2] for name, rs in runs.items()}
     spec = results.get("in-process speculative", results.get("in-process plain"))
     plain = results["in-process plain"]["outputs"] if "in-process plain" in results else spec["outputs"]
-    plain_text = [loaded.tokenizer.decode(o, skip_special_tokens=True) if loaded.tokenizer else "" for o in plain]
+    plain_text = [tokenizer.decode(o, skip_special_tokens=True) if tokenizer else "" for o in plain]
     print("\n| run (median of rounds) | tokens | s | tok/s | vs in-process speculative | tau | pipeline hits/misses "
           "| time to first token | greedy == plain |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -508,7 +537,7 @@ def main() -> int:
         print(f"\nHTTP / gRPC streaming: {h['tok_s'] / g['tok_s']:.2f}x tokens/s; time to first token "
               f"{h['ttft_s'] * 1000:.0f} vs {g['ttft_s'] * 1000:.0f} ms")
     if args.api_only:
-        return 0
+        return
     single = results["services"]["tok_s"]
     conc_name = f"services, {args.concurrency} concurrent"
     conc = results[conc_name]["tok_s"]
@@ -530,10 +559,6 @@ def main() -> int:
         print_profile(results, spec, batched, args.concurrency)
     else:
         print_pipelining(results, single, args.delay_ms)
-    if args.json:
-        Path(args.json).write_text(json.dumps({name: [{kk: vv for kk, vv in r.items() if kk != "outputs"} for r in rs]
-                                               for name, rs in runs.items()}, indent=1))
-    return 0
 
 
 def print_pipelining(results: dict, single: float, delay_ms: float) -> None:

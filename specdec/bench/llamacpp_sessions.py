@@ -2,7 +2,7 @@
 concurrent sessions, on one backend and thread count: what the model thread gives concurrent
 sessions (on llama.cpp: sessions side by side, each on its own context: LlamaCppLM.run_each).
 
-    python bench/llamacpp_sessions.py [BACKEND] [THREADS]     # default: llamacpp 1
+    python -m specdec.bench.llamacpp_sessions [BACKEND] [THREADS]     # default: llamacpp 1
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 slower draft, a busy GPU or a network hop (sleeping uses no CPU), to measure what pipelining
 hides. The services themselves know nothing of it.
 
-    python bench/slow_service.py {draft,target} --delay-ms MS [the service's own flags]
+    python -m specdec.bench.slow_service {draft,target} --delay-ms MS [the service's own flags]
 
 The target makes one model call per verification step (plus one per session it rebuilds); the
 draft one per drafted token.
@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Optional, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
 
 
 class SlowLM:

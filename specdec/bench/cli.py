@@ -77,7 +77,7 @@ def _k_arg(text: str) -> int | str:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from specdec.bench import BenchConfig, run_bench
+    from specdec.bench.methods import BenchConfig, run_bench
 
     backends = _csv(args.backend)
     bad = [b for b in backends if b not in _BACKENDS]

@@ -1,9 +1,9 @@
 """Sustained load through the coordinator on loopback (issue 16, test 8): a benchmark, not a test.
 
-    python bench/load.py [--streams 64] [--seconds 60] [--max-tokens 64] [--k 4] [--real [--threads 2]]
+    python -m specdec.bench.load [--streams 64] [--seconds 60] [--max-tokens 64] [--k 4] [--real [--threads 2]]
 
 Starts redis-server, a draft, a target and a coordinator, each its own process on 127.0.0.1 with
-tiny seeded models (bench/load.py --serve ...), or with --real `specdec up` as a user runs it (the
+tiny seeded models (`--serve ...`), or with --real `specdec up` as a user runs it (the
 embedded default, its defaults; prompts: the held-out dev set's first turns, as text), then keeps
 N streams busy for S seconds: each stream opens GenerateStream with a prompt, reads it to the end
 (tiny models: all max-tokens; real: to the end of the answer), and starts the next. Prints
@@ -25,9 +25,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from specdec.prompt_sets import read_prompt_rows  # noqa: E402
+from specdec.bench import checkout
+from specdec.prompt_sets import read_prompt_rows
 
 VOCAB = 96
 
@@ -109,8 +108,7 @@ async def wait_serving(address: str, timeout: float = 60) -> None:
 
 
 async def load(args, address: str, pids: dict[str, int]) -> None:
-    import grpc
-
+    from specdec.errors import SpecdecError
     from specdec.rpc.clients import CoordinatorClient
 
     client = CoordinatorClient(address)
@@ -138,7 +136,7 @@ async def load(args, address: str, pids: dict[str, int]) -> None:
             t0 = last = time.perf_counter()
             got, finish = 0, ""
             try:
-                async for msg in client.stub.GenerateStream(req, timeout=300):
+                async for msg in client.generate_stream(req, timeout=300):
                     now = time.perf_counter()
                     finish = msg.finish_reason or finish
                     if msg.token_ids:
@@ -153,8 +151,8 @@ async def load(args, address: str, pids: dict[str, int]) -> None:
                 else:
                     done += 1
                 tokens += got
-            except grpc.aio.AioRpcError as exc:
-                errors[f"{exc.code().name}: {exc.details()[:80]}"] += 1
+            except SpecdecError as exc:  # the status, as the client names it
+                errors[f"{type(exc).__name__}: {str(exc)[:80]}"] += 1
 
     t0 = time.monotonic()
     await asyncio.gather(*(one_stream(i) for i in range(args.streams)))
@@ -209,7 +207,7 @@ def main() -> int:
     try:
         for name in ("draft", "target", "coordinator"):
             procs[name] = subprocess.Popen(
-                [sys.executable, __file__, "--serve", name, "--port", str(ports[name]), "--redis-url", redis.url,
+                [sys.executable, "-m", "specdec.bench.load", "--serve", name, "--port", str(ports[name]), "--redis-url", redis.url,
                  "--draft", addr["draft"], "--target", addr["target"]], env=env)
         for name in procs:
             asyncio.run(wait_serving(addr[name]))
@@ -244,7 +242,7 @@ def load_real(args) -> int:
             "--target-port", str(ports[2]), "--http-port", "-1", "--threads", str(args.threads),
             "--log-dir", str(logs)]
     up = subprocess.Popen(argv, stdout=open(logs / "up.log", "wb"), stderr=subprocess.STDOUT,
-                          preexec_fn=die_with_parent, cwd=Path(__file__).resolve().parent.parent)
+                          preexec_fn=die_with_parent, cwd=checkout())
     try:
         asyncio.run(wait_serving(f"127.0.0.1:{ports[0]}", timeout=900))
         pids = {process_name(p): p for p in children(up.pid)}

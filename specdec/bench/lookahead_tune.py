@@ -1,9 +1,9 @@
 """Measure Lookahead decoding on the real target: the verify-cost curve v(q), then tau and
 tokens/s per category for a few (W, N, G) against plain greedy decoding, outputs checked equal.
 
-    nice -n 10 python bench/lookahead_tune.py --threads 1 --vq 2,4,8,12,16,24,32 \\
+    nice -n 10 python -m specdec.bench.lookahead_tune --threads 1 --vq 2,4,8,12,16,24,32 \\
         --configs 4,3,2 5,4,2 --categories chat,code --per-category 2 --max-new-tokens 64
-    nice -n 10 python bench/lookahead_tune.py --threads 1 --vq '' --tau-only --configs 5,4,2 \\
+    nice -n 10 python -m specdec.bench.lookahead_tune --threads 1 --vq '' --tau-only --configs 5,4,2 \\
         --categories chat,code,translation,summarization,qa,math,rag
 
 v(q) is the *minimum* over interleaved repeats of a forward over q new tokens against a warm
@@ -17,9 +17,7 @@ inflate (wall-clock ratios on an oversubscribed 2-core machine are noise).
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 

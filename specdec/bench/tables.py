@@ -1,8 +1,8 @@
-"""Markdown tables from the committed results of bench/serve.py (bench/results-serve/*.json), so
+"""Markdown tables from the committed results of specdec/bench/serve.py (bench/results-serve/*.json), so
 no figure in the README or the results' README is typed by hand.
 
-    python bench/tables.py                 # print every table
-    python bench/tables.py --write         # rewrite the generated blocks of README.md and
+    python -m specdec.bench.tables                 # print every table
+    python -m specdec.bench.tables --write         # rewrite the generated blocks of README.md and
                                            # bench/results-serve/README.md
 
 A generated block sits between `<!-- table: NAME -->` and `<!-- /table -->`; NAME is a results
@@ -15,9 +15,10 @@ import argparse
 import json
 import re
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from specdec.bench import checkout
+
+ROOT = checkout()
 RESULTS = ROOT / "bench" / "results-serve"
 PEER = "llama-server"
 SHOWN = {"specdec": "specdec up", "specdec-nocache": "specdec up, prefix cache off",
