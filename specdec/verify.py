@@ -172,19 +172,21 @@ def greedy_stepper(target: CausalLM, sampling: SamplingParams, rows: int, want_s
 
 
 def verify_sessions(target: CausalLM, caches: Sequence[KVCache], rows: Sequence[RowStep],
-                    want_hidden: bool = False) -> tuple[list[StepOutcome], list[KVCache]]:
+                    want_hidden: bool = False, want_features: bool = False
+                    ) -> tuple[list[StepOutcome], list[KVCache]]:
     """verify_step for independent sessions, each with its own batch-1 cache (caches[i] for
     rows[i]), batched into one forward (on a target whose caches cannot be stacked, `stacks_caches`
     false, each session's step runs on its own cache, as the target's `run_each` spreads them).
     -> (outcomes, each session's cache after the step: the given one, updated in place, when
-    alone; a new one when the caches had to be stacked)."""
+    alone; a new one when the caches had to be stacked). want_hidden / want_features: as verify_step."""
     if len(caches) == 1:
-        return verify_step(target, caches[0], rows, want_hidden), list(caches)
+        return verify_step(target, caches[0], rows, want_hidden, want_features), list(caches)
     if not target.stacks_caches:  # llama.cpp: each session's own context, see run_each
-        steps = [lambda c=c, r=r: verify_step(target, c, [r], want_hidden)[0] for c, r in zip(caches, rows)]
+        steps = [lambda c=c, r=r: verify_step(target, c, [r], want_hidden, want_features)[0]
+                 for c, r in zip(caches, rows)]
         return target.run_each(steps, caches), list(caches)
     stacked = stack_caches(caches, target.new_cache)
-    outcomes = verify_step(target, stacked, rows, want_hidden)
+    outcomes = verify_step(target, stacked, rows, want_hidden, want_features)
     return outcomes, split_cache(stacked, target.new_cache)
 
 

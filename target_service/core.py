@@ -67,6 +67,10 @@ class TargetSession:
     digests: PrefixDigests = field(default_factory=PrefixDigests)  # of every prefix of `tokens`
     cache: Optional[object] = None  # KVCache, batch 1
     hidden: Optional[torch.Tensor] = None  # [hidden] state that produced tokens[-1], if known
+    # The target's states ([n, hidden] pieces) at the committed positions not yet handed to the
+    # session's feature-reading proposer (EAGLE); None: some position's state was never computed
+    # (a Verify, another method, a resync), so such a proposer reads the whole session again first.
+    features: Optional[list[torch.Tensor]] = None
     proposers: dict[str, Proposer] = field(default_factory=dict)  # target-side proposers used by Decode
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -219,7 +223,7 @@ class TargetCore:
         load_committed(self.target, sess.cache, tokens, cached=cached)
         sess.digests.reset(tokens, common_prefix_len(sess.tokens, tokens))
         sess.tokens = list(tokens)
-        sess.hidden = None
+        sess.hidden = sess.features = None
 
     # --- the model thread ------------------------------------------------------------------
     def _run_steps(self, steps: Sequence[_Step]) -> list:
@@ -258,11 +262,14 @@ class TargetCore:
         # heads): a Verify never needs one (llama.cpp computes them at a cost), and a session that
         # moves from the draft to such a method takes one plain step first (_row_step).
         want_hidden = any(steps[i].proposer is not None and steps[i].proposer.needs_hidden for i, _ in ready)
+        want_features = any(sess.features is not None for sess in sessions)  # (set by _row_step for EAGLE)
         outcomes, caches = verify_sessions(self.target, [s.cache for s in sessions], [r for _, r in ready],
-                                           want_hidden=want_hidden)
+                                           want_hidden=want_hidden, want_features=want_features)
         for (i, _), sess, out, cache in zip(ready, sessions, outcomes, caches):
             v = out.verdict
             sess.cache, sess.hidden = cache, out.hidden
+            if sess.features is not None:
+                sess.features.append(out.features)
             sess.tokens.extend(v.emitted)
             sess.digests.extend(v.emitted)
             if steps[i].proposer is not None:
@@ -276,14 +283,33 @@ class TargetCore:
         proposer's proposal (made here, right before the forward)."""
         sess = st.session
         proposal = Proposal(token_ids=st.draft_ids, draft_probs=st.draft_probs)
-        # A proposer that reads the target's hidden state waits for one plain step when it is unknown.
-        if st.proposer is not None and st.proposer_k > 0 and not (st.proposer.needs_hidden and sess.hidden is None):
+        reads_features = st.proposer is not None and st.proposer.needs_features
+        if not reads_features:
+            sess.features = None  # this step computes no features: a later EAGLE Decode reads the session again
+        elif sess.features is None:
+            self._read_features(sess)
+        # A proposer that reads the target's hidden state waits for one plain step when it is unknown;
+        # one that reads features, when the session holds no position before its last token yet.
+        if (st.proposer is not None and st.proposer_k > 0 and not (st.proposer.needs_hidden and sess.hidden is None)
+                and not (reads_features and not sess.features)):
             ctx = ProposeContext(row_ids=(SESSION_ROW,), token_ids=(tuple(sess.tokens),), k=(st.proposer_k,),
                                  sampling=st.sampling,
-                                 target_hidden=(sess.hidden,) if st.proposer.needs_hidden else None)
+                                 target_hidden=(sess.hidden,) if st.proposer.needs_hidden else None,
+                                 target_features=(torch.cat(sess.features),) if reads_features else None)
+            if reads_features:
+                sess.features = []  # handed over; the forward appends the positions it keeps
             [proposal] = st.proposer.propose(ctx)
         generator = make_generator(step_seed(st.sampling.seed, len(sess.tokens)))
         return RowStep(sess.tokens[-1], proposal, st.sampling, generator, row_id=SESSION_ROW)
+
+    def _read_features(self, sess: TargetSession) -> None:
+        """Prefill the session's committed tokens (all but the last) again, keeping the target's
+        state at every position: what a feature-reading proposer (EAGLE) needs from position 0,
+        when the session got here without them (its prefill, a Verify, another method). Its
+        cache is rebuilt from scratch (a prefix-cache hit carries no states)."""
+        cache, n = self.target.new_cache(1), len(sess.tokens) - 1
+        features = self.target.prefill(cache, [sess.tokens[:-1]], all_hidden=True).hidden[0, :n] if n else None
+        sess.cache, sess.features = cache, [features] if n else []
 
     # --- RPC bodies ------------------------------------------------------------------------
     async def verify(self, session_id: str, pos: Position, draft_ids: Sequence[int],
@@ -384,7 +410,7 @@ def discover_methods(target: CausalLM, costs: Optional[CostStore] = None) -> dic
     from specdec.engine import EngineConfig
 
     env = ProposerEnv(target, EngineConfig(), costs if costs is not None else user_cost_store(),
-                      load_draft=_no_draft)
+                      load_draft=_no_draft, gives_features=True)
     found: dict[str, ProposerFactory] = {}
     for name in PROPOSERS:
         try:

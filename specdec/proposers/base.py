@@ -57,7 +57,7 @@ class ProposerEnv:
     # The draft model, loaded on first call; raises FailedPrecondition where none runs (the target service).
     load_draft: Callable[[], "CausalLM"]
     # Whether the loop these proposers run in hands them ctx.target_features (needs_features):
-    # speculative_generate does; the target service's Decode does not.
+    # speculative_generate and the target service's Decode do.
     gives_features: bool = False
 
 

@@ -21,8 +21,9 @@ refused (ValueError), since the draft cannot compute the target's features itsel
 
 Loading: env.config.eagle_dir, else the draft shipped for the target in
 specdec/assets/eagle/<target name>/ (made by `specdec train eagle`). The method needs a loop that
-hands proposers the target's features (env.gives_features): the in-process one does, the target
-service does not (FailedPrecondition there).
+hands proposers the target's features (env.gives_features, else FailedPrecondition): the
+in-process one and the target service's Decode do (the draft reads the target's states, so it
+runs beside the target, as Medusa's heads do, not in the draft service).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
+
 from specdec.proposers.lookahead import LookaheadConfig, LookaheadProposer
 from specdec.sessions import token_digest
 from specdec.types import DecodeResult, SamplingParams
@@ -133,3 +135,73 @@ def test_a_long_decode_goes_on_in_the_model_thread_yet_lets_another_session_in(l
     want = plain_generate(long_target, [long_prompt, short_prompt], stop=StopConditions(max_new_tokens=400))
     assert list(long_out.emitted) == list(want[0].token_ids)
     assert list(short_out.emitted) == list(want[1].token_ids)[:4]
+
+
+# --- EAGLE on the target: the proposer reads the target's features -----------------------------
+
+def _eagle_scenario(target, proposer, prompt, total: int, verify_drafts=((),), rollback: bool = False):
+    """Prefill, a few Verify steps (which compute no features), then Decode with the proposer in
+    two calls (the coordinator's chunks), the second by a caller two tokens behind the service
+    when `rollback`. -> the committed tokens after the prompt."""
+    async def scenario():
+        core = TargetCore(target, TargetSettings(prefix_cache_mb=0), methods={"probe": lambda: proposer})
+        try:
+            await core.prefill("eagle-0001", prompt)
+            tokens = list(prompt)
+            for draft in verify_drafts:
+                v = await core.verify("eagle-0001", Position(len(tokens), (), token_digest(tokens)), draft, None,
+                                      SamplingParams(), None)
+                tokens += v.emitted
+            for call in range(2):
+                if call == 1 and rollback:
+                    tokens = tokens[:-2]
+                n = 5 if call == 0 else total - (len(tokens) - len(prompt))
+                res = await core.decode("eagle-0001", Position(len(tokens), (), token_digest(tokens)), n, "probe",
+                                        SamplingParams())
+                tokens += res.emitted
+            return tokens[len(prompt):]
+        finally:
+            await core.close()
+    return run(scenario())
+
+
+def test_eagle_decodes_on_the_target_service_as_plain_and_gets_every_feature_once(long_target):
+    """A feature-reading proposer (EAGLE) in the target service's Decode: whatever came before
+    (Verify steps that computed no features, a Decode split in two calls, a caller two tokens
+    behind), the features it was handed add up to the target's states at every committed
+    position but the last, as one fresh forward computes them, and greedy output is plain's."""
+    from specdec.decode import plain_generate
+    from specdec.testing import perturbed_copy
+    from specdec.types import StopConditions
+    from tests.unit.test_eagle import FeatureProbe
+
+    prompt, total = [5, 6, 7, 8, 9, 10, 11], 30
+    want = list(plain_generate(long_target, [prompt], stop=StopConditions(max_new_tokens=total))[0].token_ids)
+    for verify_drafts, rollback in ((((),), False), (((), (want[1], want[2]), (3, 4)), True)):
+        probe = FeatureProbe(perturbed_copy(long_target, noise=0.3, seed=1))
+        got = _eagle_scenario(long_target, probe, prompt, total, verify_drafts, rollback=rollback)
+        assert got == want
+        [calls] = probe.seen.values()
+        assert sum(1 for _ in calls) > 2
+        # Since the last time the session was read again (a Verify before, the rollback), every
+        # call's features continue the ones before: in all, one per committed position but the last.
+        starts = [i for i, (toks, feats) in enumerate(calls) if feats.shape[0] == len(toks) - 1]
+        handed = torch.cat([f for _, f in calls[starts[-1]:]])
+        toks = calls[-1][0]
+        assert handed.shape[0] == len(toks) - 1
+        ref = long_target.forward(long_target.new_cache(1), torch.tensor([list(toks[:-1])]), want_hidden=True).hidden[0]
+        torch.testing.assert_close(handed, ref, atol=1e-4, rtol=1e-4)
+        if rollback:
+            assert len(starts) >= 2, "the rolled-back session was not read again"
+
+
+def test_the_eagle_method_decodes_on_the_target_service_as_plain(long_target):
+    from specdec.decode import plain_generate
+    from specdec.eagle import build_eagle
+    from specdec.proposers import EagleProposer
+    from specdec.types import StopConditions
+
+    prompt, total = [40, 41, 42, 43], 24
+    want = list(plain_generate(long_target, [prompt], stop=StopConditions(max_new_tokens=total))[0].token_ids)
+    eagle = EagleProposer(build_eagle(long_target, torch.arange(0, 96, 2)))
+    assert _eagle_scenario(long_target, eagle, prompt, total) == want

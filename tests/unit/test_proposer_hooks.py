@@ -4,6 +4,7 @@
 import torch
 
 from specdec.decode import plain_generate, speculative_generate
+from specdec.proposers import Proposer
 from specdec.types import AuxBlock, Proposal, StopConditions
 from tests.conftest import assert_greedy_equal
 
@@ -35,7 +36,7 @@ class AuxProbe:
         self.seen.append((self.last, verdicts[0].aux_logits))
 
 
-class HiddenProbe:
+class HiddenProbe(Proposer):
     name = "hidden_probe"
     needs_hidden = True
 
