@@ -47,6 +47,18 @@ class LocalStack:
         self.drafts[i] = await start_draft_server(self.draft_lm, ServerSettings(port=port))
         return self.drafts[i]
 
+    async def raw_session(self, session_id: str, prompt: list[int]):
+        """The first draft's and target's raw gRPC stubs (for calls no client would send), with
+        the session prefilled on both -> (draft stub, target stub, the session's Position message)."""
+        from specdec.rpc import convert
+        from specdec.rpc.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
+
+        d = draft_pb2_grpc.DraftServiceStub(self.core.draft_pool.replicas[self.drafts[0].address].client.channel)
+        t = target_pb2_grpc.TargetServiceStub(self.core.target_pool.replicas[self.targets[0].address].client.channel)
+        for stub in (t, d):
+            await stub.Prefill(common_pb2.PrefillRequest(session_id=session_id, token_ids=prompt), timeout=10)
+        return d, t, convert.position_to_pb(session_id, prompt, len(prompt))
+
     async def start_target_on(self, port: int) -> RunningServer:
         srv = await start_target_server(self.target_lm, ServerSettings(port=port), self.target_settings)
         self.targets.append(srv)

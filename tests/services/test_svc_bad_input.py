@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import grpc
-import pytest
 
 from specdec.rpc import convert
 from specdec.rpc.clients import CoordinatorClient
 from specdec.rpc.serving import ServerSettings, start_server
 from specdec.service.metrics import ServiceMetrics
-from specdec.rpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.rpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
 from specdec.types import SamplingParams
 from tests.conftest import assert_greedy_equal
 from tests.services.stack import local_stack, run, status_of
@@ -61,12 +60,8 @@ def test_coordinator_rejects_bad_requests_with_the_right_status_and_stays_up(red
 def test_draft_and_target_reject_bad_calls_and_unknown_sessions(redis_url, tiny_target, tiny_draft):
     async def scenario():
         async with local_stack(redis_url, tiny_target, tiny_draft) as st:
-            d = draft_pb2_grpc.DraftServiceStub(st.core.draft_pool.replicas[st.drafts[0].address].client.channel)
-            t = target_pb2_grpc.TargetServiceStub(st.core.target_pool.replicas[st.targets[0].address].client.channel)
             sid = "session-bad-input"
-            pos = convert.position_to_pb(sid, OK_PROMPT, len(OK_PROMPT))
-            await t.Prefill(common_pb2.PrefillRequest(session_id=sid, token_ids=OK_PROMPT), timeout=10)
-            await d.Prefill(common_pb2.PrefillRequest(session_id=sid, token_ids=OK_PROMPT), timeout=10)
+            d, t, pos = await st.raw_session(sid, OK_PROMPT)
             calls = {
                 "unknown session verify": t.Verify(target_pb2.VerifyRequest(
                     position=convert.position_to_pb("session-unknown", OK_PROMPT, 0)), timeout=10),

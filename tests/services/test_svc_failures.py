@@ -110,14 +110,20 @@ def test_two_target_replicas_keep_sessions_and_stopping_one_moves_only_its_sessi
     assert stayed == {sid: 1 for sid in before[1]}, "sessions on the surviving replica were rebuilt"
 
 
+async def _read_then_leave(client, request, n: int) -> list:
+    """Stream a request until at least n tokens came, then go away (the stream is dropped)."""
+    first = []
+    async for ch in client.generate_stream(request):
+        first.append(ch)
+        if sum(len(c.token_ids) for c in first) >= n:
+            break
+    return first
+
+
 def test_client_reconnecting_with_the_session_id_gets_the_rest_without_repeats(redis_url, long_target, weak_draft):
     async def scenario():
         async with local_stack(redis_url, slow(long_target), weak_draft) as st:
-            first = []
-            async for ch in st.client.generate_stream(st.client.request(token_ids=PROMPT, max_tokens=50)):
-                first.append(ch)
-                if sum(len(c.token_ids) for c in first) >= 8:
-                    break  # the client goes away
+            first = await _read_then_leave(st.client, st.client.request(token_ids=PROMPT, max_tokens=50), 8)
             sid = first[0].session_id
             have = sum(len(c.token_ids) for c in first)
             rest = [ch async for ch in st.client.generate_stream(st.client.request(session_id=sid,
@@ -133,11 +139,7 @@ def test_client_reconnecting_with_the_session_id_gets_the_rest_without_repeats(r
 def test_session_resumes_on_a_new_coordinator_from_redis(redis_url, long_target, weak_draft):
     async def scenario():
         async with local_stack(redis_url, slow(long_target), weak_draft) as st:
-            first = []
-            async for ch in st.client.generate_stream(st.client.request(token_ids=PROMPT, max_tokens=40)):
-                first.append(ch)
-                if sum(len(c.token_ids) for c in first) >= 8:
-                    break
+            first = await _read_then_leave(st.client, st.client.request(token_ids=PROMPT, max_tokens=40), 8)
             sid = first[0].session_id
             await st.coord.stop(0)  # the coordinator goes away; its memory with it
             coord = await start_coordinator_server(redis_url, [d.address for d in st.drafts],
