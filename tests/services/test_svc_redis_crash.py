@@ -58,8 +58,10 @@ def test_redis_killed_mid_generation_and_back_empty_ends_in_flight_sessions_clea
             await asyncio.sleep(down_s)
             redis.start()  # same port, empty (no persistence)
             back = time.monotonic()
-            # New sessions at once: the first request after Redis answers PING, no retries.
-            fresh = await st.client.generate(st.client.request(token_ids=PROMPTS[0], max_tokens=NEW), timeout=30)
+            # New sessions at once: the first request after Redis answers PING, no retries (method draft:
+            # drafting must resume; auto would choose by measured costs, which say nothing here).
+            fresh = await st.client.generate(st.client.request(token_ids=PROMPTS[0], max_tokens=NEW, method="draft"),
+                                           timeout=30)
             fresh_s = time.monotonic() - back
             ended = await asyncio.wait_for(asyncio.gather(*tasks), 60)
             ended_s = time.monotonic() - t0
@@ -71,7 +73,7 @@ def test_redis_killed_mid_generation_and_back_empty_ends_in_flight_sessions_clea
                     lost.append((grpc.StatusCode.OK, ""))
                 except grpc.aio.AioRpcError as exc:
                     lost.append((exc.code(), exc.details()))
-            more = await asyncio.gather(*(st.client.generate(st.client.request(token_ids=p, max_tokens=NEW),
+            more = await asyncio.gather(*(st.client.generate(st.client.request(token_ids=p, max_tokens=NEW, method="draft"),
                                                              timeout=30) for p in PROMPTS))
             same_servers = servers == [id(s.server) for s in (st.coord, *st.drafts, *st.targets)]
             return (dict(zip(sids, ended)), killed_at, seen, fresh, fresh_s, ended_s, lost, more, same_servers,
