@@ -1,6 +1,8 @@
 """EAGLE proposer: a one-layer draft over the target's features drafts a chain of k tokens
 (greedy, or sampled from each row's generator in ctx.generators with its draft_probs), see
-specdec.eagle for the draft itself.
+specdec.eagle for the draft itself. Greedy, on a target that verifies trees at about the cost of
+the chain (tree_width: a GPU), each depth's next-best tokens join the chain as siblings (leaves),
+so a depth the chain gets wrong can still be accepted from its second or third choice.
 
 State per row (a `DraftRows`, so rows leave as they finish, as the draft model's do): the
 draft's KV cache of (feature, token) pairs and the committed tokens its *true* pairs stand for
@@ -33,6 +35,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from specdec.costmodel import VerifyCost, verify_cost_at
 from specdec.eagle import EagleDraft, load_eagle, shipped_eagle_path
 from specdec.errors import FailedPrecondition, ModelLoadError
 from specdec.proposers.base import Proposer, ProposerEnv, ProposerFactory, register
@@ -57,6 +60,39 @@ def feature_start(row_tokens: Sequence[int], committed: Sequence[int], n_feature
     return start
 
 
+# Siblings join the chain only where a verification forward over the whole tree (k * width + 1
+# tokens) costs at most this much more than over the chain (k + 1): a GPU, where a forward over
+# 8-64 tokens costs about one; not a CPU, where it costs ~k single steps.
+TREE_COST_MARGIN = 1.1
+MAX_WIDTH = 3
+
+
+def tree_width(v: Optional[VerifyCost], k: int, runs_trees: bool, max_width: int = MAX_WIDTH) -> int:
+    """Candidates per drafted depth (the top-1 the chain goes on from, and width - 1 siblings):
+    the widest whose tree costs at most TREE_COST_MARGIN times the chain to verify; 1 (a chain)
+    where the target runs chains only (llama.cpp) or its verify cost is unknown."""
+    if not runs_trees or v is None or k < 1:
+        return 1
+    chain = verify_cost_at(v, k + 1)
+    return max(w for w in range(1, max_width + 1) if w == 1 or verify_cost_at(v, k * w + 1) <= TREE_COST_MARGIN * chain)
+
+
+def side_branches(chain: Sequence[int], siblings: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The chain [k] and, per depth d, the alternatives to chain[d] -> (token ids, parents) of the
+    tree, depth by depth: the chain token, then its siblings, all children of the chain token
+    one depth up (-1: the root). Siblings are leaves: the draft only goes on from the chain."""
+    ids: list[int] = []
+    parents: list[int] = []
+    up = -1
+    for tok, alternatives in zip(chain, siblings):
+        here = len(ids)
+        for t in (tok, *alternatives):
+            ids.append(int(t))
+            parents.append(up)
+        up = here
+    return tuple(ids), tuple(parents)
+
+
 def pad_pairs(features: Sequence[torch.Tensor], tokens: Sequence[Sequence[int]]
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of pairs of different lengths (features[b] [n_b, H], tokens[b] [n_b]) -> right-padded
@@ -76,10 +112,14 @@ class EagleProposer(Proposer):
     name = "eagle"
     needs_features = True
 
-    def __init__(self, draft: EagleDraft, rows: Optional[DraftRows] = None):
-        """rows: the state to draft on; None: the proposer's own, following each context's rows."""
+    def __init__(self, draft: EagleDraft, rows: Optional[DraftRows] = None, verify_cost: Optional[VerifyCost] = None,
+                 runs_trees: bool = False):
+        """rows: the state to draft on; None: the proposer's own, following each context's rows.
+        verify_cost, runs_trees: the target's measured v(k) and whether it verifies trees; where
+        a tree costs about what the chain does (tree_width), greedy steps add siblings."""
         self.draft = draft
         self.rows = rows if rows is not None else DraftRows.empty(draft, ())
+        self.verify_cost, self.runs_trees = verify_cost, runs_trees
 
     @torch.inference_mode()
     def catch_up(self, ctx: ProposeContext) -> torch.Tensor:
@@ -115,11 +155,31 @@ class EagleProposer(Proposer):
             predicted[0] = self.draft.extend(self.rows.cache, predicted[0][:, None], tok[:, None])[:, 0]
             return self.draft.logits(predicted[0])
 
+        widths = [tree_width(self.verify_cost, k, self.runs_trees) if ctx.sampling.greedy else 1 for k in ctx.k]
+        if max(widths) > 1:
+            return self._tree(self.draft.logits(feature), feed, ctx.k, widths)
         tokens, draft_probs = draft_chain(self.draft.logits(feature), feed, k_max, ctx.sampling, ctx.generators)
         tokens = tokens.cpu()  # [rows, k_max]
         return [Proposal(token_ids=tuple(tokens[b, :k].tolist()),
                          draft_probs=None if draft_probs is None or k == 0 else draft_probs[b, :k])
                 for b, k in enumerate(ctx.k)]
+
+    @staticmethod
+    def _tree(logits: torch.Tensor, feed, ks: Sequence[int], widths: Sequence[int]) -> list[Proposal]:
+        """Greedy: the argmax chain, each depth's next-best tokens beside it (side_branches)."""
+        chain, alternatives = [], []
+        for depth in range(max(ks)):
+            top = logits.topk(max(widths), dim=-1).indices.cpu()  # [rows, width], best first
+            chain.append(top[:, 0])
+            alternatives.append(top[:, 1:])
+            if depth + 1 < max(ks):
+                logits = feed(top[:, 0].to(logits.device))
+        out = []
+        for b, (k, w) in enumerate(zip(ks, widths)):
+            ids, parents = side_branches([int(chain[d][b]) for d in range(k)],
+                                         [alternatives[d][b, : w - 1].tolist() for d in range(k)])
+            out.append(Proposal(token_ids=ids, parents=parents if w > 1 else None))
+        return out
 
 
 def eagle_for_target(target, eagle_dir: Optional[str]) -> EagleDraft:
@@ -138,4 +198,6 @@ def _load(env: ProposerEnv) -> ProposerFactory:
         raise FailedPrecondition("method eagle reads the target's features at every committed position, which "
                                  "this decoding loop does not hand to proposers (specdec's in-process loop does)")
     draft = eagle_for_target(env.target, env.config.eagle_dir)
-    return lambda: EagleProposer(draft)
+    # (the verify cost only matters where the target verifies trees: measured, or read, once here)
+    v = env.costs.verify_cost(env.target) if env.target.runs_trees and env.costs is not None else None
+    return lambda: EagleProposer(draft, verify_cost=v, runs_trees=env.target.runs_trees)

@@ -351,3 +351,58 @@ def test_batch_labels_are_the_targets_next_top1_in_the_subset(tiny_target):
     assert batch.labels[0].tolist() == [1, 0, -1, -1]  # y_{j+1}: 7, 4, 5 (outside), none past the end
     assert batch.has_target[0].tolist() == [True, True, True, False]
     assert batch.judged[0].tolist() == [False, True, True, False]
+
+
+# --- trees where verification is about as cheap as the chain's ---------------------------------
+
+FLAT_COST = {1: 1.0, 64: 1.05}  # a GPU-like curve: a forward over 64 tokens costs about one
+CPU_COST = {1: 1.0, 2: 1.8, 8: 7.0}  # llama.cpp on a CPU: ~k single steps
+
+
+def test_tree_width_adds_siblings_only_where_the_tree_costs_about_the_chain():
+    from specdec.proposers.eagle import MAX_WIDTH, tree_width
+
+    assert tree_width(FLAT_COST, 4, runs_trees=True) == MAX_WIDTH
+    assert tree_width(CPU_COST, 4, runs_trees=True) == 1
+    assert tree_width(FLAT_COST, 4, runs_trees=False) == 1  # llama.cpp verifies chains only
+    assert tree_width(None, 4, runs_trees=True) == 1  # cost unknown: the chain
+    assert tree_width(FLAT_COST, 0, runs_trees=True) == 1
+
+
+def test_side_branches_hang_each_depth_s_alternatives_beside_the_chain_token():
+    from specdec.proposers.eagle import side_branches
+
+    ids, parents = side_branches([10, 11, 12], [[20, 30], [21], []])
+    assert ids == (10, 20, 30, 11, 21, 12)
+    assert parents == (-1, -1, -1, 0, 0, 3)  # depth 1 hangs under the chain's 10, depth 2 under its 11
+
+
+@pytest.mark.parametrize("backend", ["hf", "fast"])
+@pytest.mark.parametrize("trained", [False, True])
+def test_an_eagle_tree_is_lossless_and_accepts_at_least_what_its_chain_does(tiny_target, targets, trained_dir,
+                                                                            backend, trained):
+    """Greedy with siblings equals plain decoding; the chain is part of the tree, so the tree's
+    accepted path is never shorter, and for the trained draft a depth the chain gets wrong is
+    sometimes right among the siblings (more accepted tokens, fewer target forwards)."""
+    target = targets[backend]
+    draft = (load_eagle(trained_dir, target, target_name=tiny_target.name) if trained
+             else build_eagle(tiny_target, torch.arange(0, 96, 2)))
+    stop = StopConditions(max_new_tokens=25)
+    chain = check_greedy(target, EagleProposer(draft), PROMPTS, stop, 4)
+    tree = check_greedy(target, EagleProposer(draft, verify_cost=FLAT_COST, runs_trees=True), PROMPTS, stop, 4)
+    accepted = lambda results: sum(r.stats.accepted for r in results)  # noqa: E731
+    forwards = lambda results: sum(r.stats.target_forwards for r in results)  # noqa: E731
+    assert accepted(tree) >= accepted(chain) and forwards(tree) <= forwards(chain)
+    if trained:
+        assert accepted(tree) > accepted(chain) and forwards(tree) < forwards(chain)
+
+
+def test_the_eagle_loader_hands_a_tree_verifying_target_s_measured_cost_to_its_proposers(tiny_target, trained_dir,
+                                                                                           tmp_path):
+    from specdec.costmodel import CostStore
+
+    costs = CostStore(tmp_path / "costs")
+    env = ProposerEnv(tiny_target, EngineConfig(eagle_dir=str(trained_dir)), costs=costs, load_draft=lambda: None,
+                      gives_features=True)
+    proposer = load_proposer("eagle", env)()
+    assert proposer.runs_trees and proposer.verify_cost == costs.verify_cost(tiny_target)
