@@ -99,13 +99,30 @@ AUTO_ALPHA = 0.5
 AUTO_MARGIN = 1.15
 
 
-def target_local_method(v: VerifyCost) -> str:
+def choose_method(v: VerifyCost, candidates: Mapping[str, tuple[float, float]]) -> str:
+    """Of the candidates (method -> (acceptance rate alpha, draft cost per token c relative to a
+    target forward)), the one whose predicted speedup at its best k is highest, if it clears
+    AUTO_MARGIN; else plain."""
+    best, best_speedup = "plain", AUTO_MARGIN
+    for name, (alpha, c) in sorted(candidates.items()):
+        speedup = predicted_speedup(alpha, best_k(alpha, c, v, range(1, 9)), c, v)
+        if speedup >= best_speedup:
+            best, best_speedup = name, speedup
+    return best
+
+
+def target_local_method(v: VerifyCost, alpha: Optional[float] = None) -> str:
     """What `auto` runs on the target alone, from its verify-cost curve: prompt lookup (k auto)
-    where a draft right half the time (AUTO_ALPHA) would pay clearly (AUTO_MARGIN), else plain (a
-    compute-bound backend: llama.cpp on a CPU, where a forward over k tokens costs ~k single
-    steps). One rule for the in-process engine and the target service."""
-    k = best_k(AUTO_ALPHA, 0.0, v, range(1, 9))
-    return "prompt-lookup" if predicted_speedup(AUTO_ALPHA, k, 0.0, v) >= AUTO_MARGIN else "plain"
+    where a draft right `alpha` of the time (its measured acceptance; AUTO_ALPHA, a half, until
+    measured) would pay clearly (AUTO_MARGIN), else plain (a compute-bound backend: llama.cpp on
+    a CPU, where a forward over k tokens costs ~k single steps). One rule for the in-process
+    engine and the target service."""
+    return choose_method(v, {"prompt-lookup": (AUTO_ALPHA if alpha is None else alpha, 0.0)})
+
+
+# The drafted tokens an acceptance record keeps the weight of: older ones fade, so the figure
+# follows the prompts a user sends now, yet one short request does not swing it.
+ACCEPTANCE_WINDOW = 4096
 
 
 def _timed_forward(lm, cache, ids: torch.Tensor, clock: Callable[[], float] = time.perf_counter) -> float:
@@ -319,6 +336,39 @@ class CostStore:
                "model": target.cost_identity()}
         return float(self._get(key, f"the draft's cost against the target {target.name}",
                                lambda: quick_draft_cost(draft, target)))
+
+    def acceptance(self, target, method: str, proposer: str = "") -> Optional[float]:
+        """The acceptance rate `method` (with `proposer`: its draft or heads, by path) has had on
+        this target in earlier runs (add_acceptance), or None before any drafted token. Not a
+        timing: it depends on the models and the prompts, not on the machine."""
+        got = self._acceptance(self._acceptance_key(target, method, proposer))
+        return None if got is None or got[0] <= 0 else got[1] / got[0]
+
+    def add_acceptance(self, target, method: str, drafted: int, accepted: int, proposer: str = "") -> None:
+        """Count a run's drafted and accepted tokens in (the oldest fading beyond ACCEPTANCE_WINDOW)."""
+        if drafted <= 0:
+            return
+        key = self._acceptance_key(target, method, proposer)
+        old_drafted, old_accepted = self._acceptance(key) or (0.0, 0.0)
+        total, hits = old_drafted + drafted, old_accepted + accepted
+        if total > ACCEPTANCE_WINDOW:
+            total, hits = ACCEPTANCE_WINDOW, hits * ACCEPTANCE_WINDOW / total
+        self._memory[_key_digest(key)] = [total, hits]
+        path = self.path_for(key)
+        if path is not None:
+            _write_figure(path, key, [total, hits])
+
+    @staticmethod
+    def _acceptance_key(target, method: str, proposer: str) -> dict:
+        return {"figure": "acceptance", "target": target.name, "method": method, "proposer": proposer}
+
+    def _acceptance(self, key: dict) -> Optional[tuple[float, float]]:
+        digest = _key_digest(key)
+        if digest not in self._memory:
+            path = self.path_for(key)
+            self._memory[digest] = None if path is None else _read_figure(path, key)
+        got = self._memory[digest]
+        return None if got is None else (float(got[0]), float(got[1]))
 
     def figure(self, key: dict, what: str, measure: Callable[[], object], timed: bool = True):
         """Any other figure (JSON-serialisable), kept under `key` like the ones above; `key` must

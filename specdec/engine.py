@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from specdec.costmodel import CostStore, target_local_method
+from specdec.costmodel import AUTO_ALPHA, CostStore, choose_method
 from specdec.decode import KSchedule, OnEmit, plain_generate, speculative_generate
 from specdec.errors import InvalidRequest
 from specdec.models import (LoadedModel, check_compatible, format_prompt, load_model,
@@ -152,14 +152,29 @@ class Engine:
         return self._factories[method]
 
     def resolve_method(self, method: str) -> str:
-        """method as given, or for "auto": prompt lookup (k auto) where the target's measured
-        verify cost lets a draft that is right half the time pay (costmodel.target_local_method; its k auto then
-        follows each row's real acceptance), else plain: on a compute-bound backend (llama.cpp on a
-        CPU: a forward over k tokens costs ~k single steps) speculation cannot pay and auto never
+        """method as given, or for "auto": the method the cost model predicts fastest from the
+        target's measured verify cost (costmodel.choose_method), if it clears the margin, else
+        plain: prompt lookup at its acceptance in earlier runs here (a half until it has run),
+        and the draft once it has run here (its measured acceptance and cost c). Their k auto
+        then follows each row's real acceptance. On a compute-bound backend (llama.cpp on a CPU:
+        a forward over k tokens costs ~k single steps) speculation cannot pay and auto never
         probes for it."""
         if method != AUTO:
             return method
-        return target_local_method(self.costs.verify_cost(self.target.lm))
+        lm = self.target.lm
+        v = self.costs.verify_cost(lm)
+        lookup = self.costs.acceptance(lm, "prompt-lookup")
+        candidates = {"prompt-lookup": (AUTO_ALPHA if lookup is None else lookup, 0.0)}
+        draft_alpha = self.costs.acceptance(lm, "draft", self._proposer_name("draft"))
+        if draft_alpha is not None:  # the draft has run here before: its measured acceptance and cost
+            candidates["draft"] = (draft_alpha, self.costs.draft_cost(self.require_draft().lm, lm))
+        return choose_method(v, candidates)
+
+    def _proposer_name(self, method: str) -> str:
+        """What a method's acceptance record is kept under beside the method (its draft, heads or
+        EAGLE directory as configured; "" for the shipped one)."""
+        return {"draft": self.config.draft, "medusa": self.config.medusa_heads,
+                "eagle": self.config.eagle_dir}.get(method) or ""
 
     def k_schedule(self, method: str, k: "KSchedule | int | str") -> KSchedule | int:
         """k as given, or for "auto": for draft and prompt-lookup, the cost-aware schedule from
@@ -201,8 +216,12 @@ class Engine:
         if factory is None:
             return plain_generate(self.target.lm, prompts, sampling, stop, detokenize=detok, on_emit=on_emit,
                                   prefix_cache=self.prefix_cache)
-        return speculative_generate(self.target.lm, factory(), prompts, sampling, stop, k=k, detokenize=detok,
-                                    on_emit=on_emit, prefix_cache=self.prefix_cache)
+        results = speculative_generate(self.target.lm, factory(), prompts, sampling, stop, k=k, detokenize=detok,
+                                       on_emit=on_emit, prefix_cache=self.prefix_cache)
+        # what `auto` reads next time: this method's acceptance on the prompts users send
+        self.costs.add_acceptance(self.target.lm, method, sum(r.stats.drafted for r in results),
+                                  sum(r.stats.accepted for r in results), self._proposer_name(method))
+        return results
 
     def complete(self, prompt: str, method: str = "plain", sampling: SamplingParams = SamplingParams(),
                  stop: StopConditions = StopConditions(), k: KSchedule | int | str = 4,

@@ -332,7 +332,8 @@ class TargetCore:
         if self._local_method is None:
             from specdec.costmodel import target_local_method
 
-            method = target_local_method(self.costs.verify_cost(self.target))
+            method = target_local_method(self.costs.verify_cost(self.target),
+                                         self.costs.acceptance(self.target, "prompt-lookup"))
             self._local_method = method if method == "plain" or method in self.methods else "plain"
         return self._local_method
 

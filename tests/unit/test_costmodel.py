@@ -196,3 +196,64 @@ def test_cost_store_survives_a_corrupt_file(tmp_path, tiny_target):
     path.write_text("{not json")
     fresh, measured = _store(tmp_path)
     assert fresh.verify_cost(tiny_target)[1] == 1.0 and len(measured) == 1
+
+
+# --- auto from measured acceptance ------------------------------------------------------------
+
+GPU_LIKE = {1: 1.0, 2: 1.0, 5: 1.01, 9: 1.02}
+CPU_LLAMACPP = {1: 1.0, 2: 1.9, 3: 2.8, 5: 4.6, 9: 8.0}
+
+
+def test_choose_method_takes_the_best_predicted_speedup_and_plain_below_the_margin():
+    candidates = {"prompt-lookup": (0.3, 0.0), "draft": (0.8, 0.05)}
+    assert costmodel.choose_method(GPU_LIKE, candidates) == "draft"
+    assert costmodel.choose_method(GPU_LIKE, {"prompt-lookup": (0.3, 0.0), "draft": (0.2, 0.3)}) == "prompt-lookup"
+    assert costmodel.choose_method(CPU_LLAMACPP, candidates) == "plain"  # nothing pays where k tokens cost ~k steps
+    assert costmodel.choose_method(GPU_LIKE, {"draft": (0.05, 0.5)}) == "plain"
+    # prompt lookup at a measured acceptance of 0.05 is not worth it even where verifying is free
+    assert costmodel.target_local_method(GPU_LIKE) == "prompt-lookup"
+    assert costmodel.target_local_method(GPU_LIKE, alpha=0.05) == "plain"
+
+
+def test_acceptance_is_counted_per_method_kept_for_later_processes_and_follows_recent_runs(tmp_path, tiny_target):
+    store, _ = _store(tmp_path)
+    assert store.acceptance(tiny_target, "draft") is None
+    store.add_acceptance(tiny_target, "draft", drafted=100, accepted=80)
+    store.add_acceptance(tiny_target, "draft", drafted=100, accepted=40)
+    store.add_acceptance(tiny_target, "draft", drafted=0, accepted=0)  # nothing drafted: nothing learnt
+    assert store.acceptance(tiny_target, "draft") == pytest.approx(0.6)
+    assert store.acceptance(tiny_target, "draft", proposer="other/draft") is None
+    assert store.acceptance(tiny_target, "prompt-lookup") is None
+    later, _ = _store(tmp_path)
+    assert later.acceptance(tiny_target, "draft") == pytest.approx(0.6)
+    # beyond the window the old counts fade: a long run at 0.1 brings the figure near 0.1
+    later.add_acceptance(tiny_target, "draft", drafted=20 * costmodel.ACCEPTANCE_WINDOW,
+                         accepted=2 * costmodel.ACCEPTANCE_WINDOW)
+    assert later.acceptance(tiny_target, "draft") == pytest.approx(0.1, abs=0.03)
+
+
+def test_auto_turns_to_the_draft_once_it_has_run_well_here_and_away_from_a_lookup_that_did_not(tmp_path,
+                                                                                                 tiny_target):
+    from specdec.engine import Engine
+    from specdec.models import LoadedModel
+    from specdec.testing import perturbed_copy
+    from specdec.types import StopConditions
+    from tests.conftest import FixedCosts
+
+    class Costs(FixedCosts):
+        def draft_cost(self, draft, target) -> float:
+            return 0.05
+
+    costs = Costs(GPU_LIKE)
+    engine = Engine.from_models(LoadedModel(tiny_target, None, "tiny"),
+                                draft=LoadedModel(perturbed_copy(tiny_target, noise=0.02, seed=1), None, "draft"),
+                                costs=costs)
+    assert engine.resolve_method("auto") == "prompt-lookup"  # nothing measured yet: a half assumed
+    stop = StopConditions(max_new_tokens=24, eos_token_ids=(10_000,))
+    prompts = [[5, 17, 33, 2, 40], [9, 9, 60, 12]]
+    engine.generate_ids(prompts, "draft", stop=stop, k=4)  # a draft that is nearly the target
+    assert costs.acceptance(tiny_target, "draft") > 0.8
+    assert engine.resolve_method("auto") == "draft"
+    costs.add_acceptance(tiny_target, "prompt-lookup", drafted=1000, accepted=10)
+    costs.add_acceptance(tiny_target, "draft", drafted=costmodel.ACCEPTANCE_WINDOW * 4, accepted=0)
+    assert engine.resolve_method("auto") == "plain"  # both measured poor
