@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -189,3 +190,27 @@ def load_eagle(path: Path, target, target_name: Optional[str] = None) -> EagleDr
 def shipped_eagle_path(target_name: str) -> Optional[Path]:
     path = SHIPPED_EAGLE / target_name
     return path if is_eagle_dir(path) else None
+
+
+@torch.inference_mode()
+def step_cost(draft: EagleDraft, target, context_len: int = 64, repeats: int = 7) -> float:
+    """c for EAGLE: the median time of one drafting step (one pair appended to a cache of
+    context_len pairs, then the next token's logits) over that of a 1-token target forward
+    against context_len tokens (costmodel.measure_forward_times' one-token figure)."""
+    from specdec.costmodel import measure_forward_times
+
+    gen = torch.Generator().manual_seed(0)
+    cache = draft.new_cache(1)
+    hidden = draft.head.shape[1]
+    draft.extend(cache, torch.randn(1, context_len, hidden, generator=gen).to(draft.dtype),
+                 torch.randint(0, draft.vocab_size, (1, context_len), generator=gen))
+    times = []
+    for _ in range(repeats + 2):
+        t0 = time.perf_counter()
+        f = draft.extend(cache, torch.randn(1, 1, hidden, generator=gen).to(draft.dtype), torch.tensor([[7]]))
+        draft.logits(f[:, 0]).argmax(-1).item()
+        times.append(time.perf_counter() - t0)
+        cache.truncate(torch.tensor([context_len]))
+    t_draft = sorted(times[2:])[repeats // 2]
+    t_target = measure_forward_times(target, ks=(1,), context_len=context_len, repeats=repeats, warmup=2)[1]
+    return t_draft / t_target

@@ -155,7 +155,8 @@ class Engine:
         """method as given, or for "auto": the method the cost model predicts fastest from the
         target's measured verify cost (costmodel.choose_method), if it clears the margin, else
         plain: prompt lookup at its acceptance in earlier runs here (a half until it has run),
-        and the draft once it has run here (its measured acceptance and cost c). Their k auto
+        and the draft and the EAGLE draft once they have run here (their measured acceptance
+        and cost c). Their k auto
         then follows each row's real acceptance. On a compute-bound backend (llama.cpp on a CPU:
         a forward over k tokens costs ~k single steps) speculation cannot pay and auto never
         probes for it."""
@@ -168,7 +169,22 @@ class Engine:
         draft_alpha = self.costs.acceptance(lm, "draft", self._proposer_name("draft"))
         if draft_alpha is not None:  # the draft has run here before: its measured acceptance and cost
             candidates["draft"] = (draft_alpha, self.costs.draft_cost(self.require_draft().lm, lm))
+        eagle_alpha = self.costs.acceptance(lm, "eagle", self._proposer_name("eagle"))
+        if eagle_alpha is not None:  # so has the EAGLE draft: its acceptance, and its step's cost
+            candidates["eagle"] = (eagle_alpha, self._eagle_cost())
         return choose_method(v, candidates)
+
+    def _eagle_cost(self) -> float:
+        """c of the EAGLE draft on this target and machine (specdec.eagle.step_cost), kept in the store."""
+        from specdec.costmodel import machine_identity
+        from specdec.eagle import step_cost
+        from specdec.proposers.eagle import eagle_for_target
+
+        lm = self.target.lm
+        draft = eagle_for_target(lm, self.config.eagle_dir)
+        key = {"figure": "eagle_cost", "machine": machine_identity(lm.device), "model": lm.cost_identity(),
+               "eagle": self._proposer_name("eagle") or "shipped"}
+        return float(self.costs.figure(key, "the EAGLE draft's cost against the target", lambda: step_cost(draft, lm)))
 
     def _proposer_name(self, method: str) -> str:
         """What a method's acceptance record is kept under beside the method (its draft, heads or

@@ -406,3 +406,32 @@ def test_the_eagle_loader_hands_a_tree_verifying_target_s_measured_cost_to_its_p
                       gives_features=True)
     proposer = load_proposer("eagle", env)()
     assert proposer.runs_trees and proposer.verify_cost == costs.verify_cost(tiny_target)
+
+
+def test_auto_weighs_the_eagle_draft_once_it_has_run_here(tiny_target, trained_dir, tmp_path):
+    """After an EAGLE run, auto knows its acceptance and measures its step's cost (kept in the
+    store); on a GPU-like verify cost a draft that is right nearly always and cheap is what auto
+    runs, and its output is plain's."""
+    from specdec.eagle import step_cost
+    from tests.conftest import FixedCosts
+
+    class Costs(FixedCosts):  # the draft's step cost as given (what a GPU gives), not this host's
+        def figure(self, key, what, measure, timed=True):
+            return 0.1 if key["figure"] == "eagle_cost" else super().figure(key, what, measure, timed)
+
+    costs = Costs({1: 1.0, 64: 1.05})
+    engine = Engine.from_models(LoadedModel(tiny_target, None, "tiny"), costs=costs,
+                                config=EngineConfig(eagle_dir=str(trained_dir)))
+    rows = _answers(tiny_target, 6, seed=0)  # prompts it was trained on: accepted often
+    prompts, stop = [r["prompt_ids"] for r in rows], StopConditions(max_new_tokens=24, eos_token_ids=(10_000,))
+    costs.add_acceptance(tiny_target, "prompt-lookup", drafted=1000, accepted=10)  # lookup measured poor here
+    assert engine.resolve_method("auto") == "plain"
+    [ran] = engine.generate_ids(prompts[:1], "eagle", stop=stop, k=4)
+    assert costs.acceptance(tiny_target, "eagle", str(trained_dir)) == ran.stats.accepted / ran.stats.drafted
+    assert 0 < step_cost(load_eagle(trained_dir, tiny_target), tiny_target) < 10  # a finite ratio of two timings
+    # once it has been right nearly always (a long window of it), it is what auto runs
+    costs.add_acceptance(tiny_target, "eagle", drafted=40_000, accepted=39_000, proposer=str(trained_dir))
+    assert engine.resolve_method("auto") == "eagle"
+    [got] = engine.generate_ids(prompts[:1], "auto", stop=stop, k=4)
+    [want] = engine.generate_ids(prompts[:1], "plain", stop=stop)
+    assert_greedy_equal(tiny_target, prompts[0], got.token_ids, want.token_ids) and got.stats.drafted > 0
