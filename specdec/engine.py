@@ -156,10 +156,9 @@ class Engine:
         target's measured verify cost (costmodel.choose_method), if it clears the margin, else
         plain: prompt lookup at its acceptance in earlier runs here (a half until it has run),
         and the draft and the EAGLE draft once they have run here (their measured acceptance
-        and cost c). Their k auto
-        then follows each row's real acceptance. On a compute-bound backend (llama.cpp on a CPU:
-        a forward over k tokens costs ~k single steps) speculation cannot pay and auto never
-        probes for it."""
+        and cost c). Their k auto then follows each row's real acceptance. On a compute-bound
+        backend (llama.cpp on a CPU: a forward over k tokens costs ~k single steps) speculation
+        cannot pay and auto never probes for it."""
         if method != AUTO:
             return method
         lm = self.target.lm
