@@ -205,6 +205,11 @@ class Coordinator:
     def vocab_size(self) -> int:
         return self._info.vocab_size if self._info else 0
 
+    @property
+    def drafting_cannot_pay(self) -> bool:
+        """The target says no draft could pay on it (its measured verify cost): auto never drafts."""
+        return bool(self._info and self._info.drafting_cannot_pay)
+
     def _load_tokenizer(self, files: dict[str, bytes]):
         if "tokenizer.json" not in files and "tokenizer_config.json" not in files:
             return None

@@ -75,6 +75,9 @@ class RunHost(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
+    @property
+    def drafting_cannot_pay(self) -> bool: ...
+
     async def draft_fits(self, rep) -> bool: ...
 
     def run_ended(self, run: SessionRun) -> None: ...
@@ -266,7 +269,8 @@ class SessionRun:
             # auto: drafting or the target alone, whichever has cost less per token (specdec.step_choice);
             # a seeded sampled session always the target alone: its random draws depend on the way
             # (not before a streamed session's first token, whose latency the client sees)
-            way = (DRAFT if self.method == "draft" else LOCAL if self._seeded
+            # and never the draft where the target says none could pay (llama.cpp on a CPU): not even to measure it
+            way = (DRAFT if self.method == "draft" else LOCAL if self._seeded or self.coord.drafting_cannot_pay
                    else rates.choose(draft is not None, may_explore=bool(self.generated) or not self.streamed))
             t = time.perf_counter()
             if way == LOCAL:

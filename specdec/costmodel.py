@@ -120,6 +120,13 @@ def target_local_method(v: VerifyCost, alpha: Optional[float] = None) -> str:
     return choose_method(v, {"prompt-lookup": (AUTO_ALPHA if alpha is None else alpha, 0.0)})
 
 
+def speculation_can_pay(v: VerifyCost) -> bool:
+    """Whether any draft could beat plain decoding on this verify cost by the margin: a free draft
+    that is always right (alpha 1, c 0) at its best k. Not on llama.cpp on a CPU, where a forward
+    over k tokens costs ~k single steps: there nothing need be tried."""
+    return choose_method(v, {"a perfect free draft": (1.0, 0.0)}) != "plain"
+
+
 # The drafted tokens an acceptance record keeps the weight of: older ones fade, so the figure
 # follows the prompts a user sends now, yet one short request does not swing it.
 ACCEPTANCE_WINDOW = 4096

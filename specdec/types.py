@@ -207,6 +207,7 @@ class ModelInfo:
     max_k: int
     methods: tuple[str, ...] = ()
     tokenizer_files: dict[str, bytes] = field(default_factory=dict)
+    drafting_cannot_pay: bool = False  # target only: see common.proto ModelInfo
 
 
 @dataclass(frozen=True)

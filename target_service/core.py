@@ -337,6 +337,14 @@ class TargetCore:
             self._local_method = method if method == "plain" or method in self.methods else "plain"
         return self._local_method
 
+    def drafting_cannot_pay(self) -> bool:
+        """Whether no draft could pay on this target here (costmodel.speculation_can_pay on its
+        measured verify cost, the figure local_method reads): the coordinator's auto then never
+        tries the draft service."""
+        from specdec.costmodel import speculation_can_pay
+
+        return not speculation_can_pay(self.costs.verify_cost(self.target))
+
     def resolve_method(self, method: str) -> str:
         if method == "auto":
             return self.local_method()

@@ -72,18 +72,20 @@ async def local_stack(redis_url: str, target_lm: CausalLM, draft_lm: Optional[Ca
                       inner: ServerSettings = ServerSettings(), outer: Optional[ServerSettings] = None,
                       upstream_tls: Optional[ClientTLS] = None, client_tls: Optional[ClientTLS] = None,
                       token: Optional[str] = None, redis_options: Optional[dict] = None,
-                      http_port: Optional[int] = None, tokenizer_dir: Optional[str] = None):
+                      http_port: Optional[int] = None, tokenizer_dir: Optional[str] = None, target_costs=None):
     """`inner`: the draft's and target's server settings (TLS), `outer`: the coordinator's (TLS,
     tokens); `upstream_tls`: how the coordinator reaches draft and target; `client_tls`, `token`:
     how the test's client reaches the coordinator; `http_port`: serve the OpenAI-compatible HTTP API
-    too (0: a free port; `stack.coord.http.url`); `tokenizer_dir`: the tokenizer the targets serve."""
+    too (0: a free port; `stack.coord.http.url`); `tokenizer_dir`: the tokenizer the targets serve;
+    `target_costs`: the CostStore the targets' automatic choices read (default: the suite's)."""
     stack = LocalStack(redis_url, target_lm, draft_lm, target_settings)
     try:
         if draft_lm is not None:
             stack.drafts.append(await start_draft_server(draft_lm, inner, settings=draft_settings))
         for _ in range(n_targets):
             stack.targets.append(await start_target_server(target_lm, inner, settings=target_settings,
-                                                           methods=methods, tokenizer_dir=tokenizer_dir))
+                                                           methods=methods, tokenizer_dir=tokenizer_dir,
+                                                           costs=target_costs))
         coord_kw = {} if outer is None else {"server": outer}
         stack.coord = await start_coordinator_server(redis_url, [d.address for d in stack.drafts],
                                                      [t.address for t in stack.targets], settings=settings,

@@ -257,3 +257,9 @@ def test_auto_turns_to_the_draft_once_it_has_run_well_here_and_away_from_a_looku
     costs.add_acceptance(tiny_target, "prompt-lookup", drafted=1000, accepted=10)
     costs.add_acceptance(tiny_target, "draft", drafted=costmodel.ACCEPTANCE_WINDOW * 4, accepted=0)
     assert engine.resolve_method("auto") == "plain"  # both measured poor
+
+
+def test_speculation_can_pay_only_where_a_perfect_free_draft_would_clear_the_margin():
+    assert costmodel.speculation_can_pay(GPU_LIKE)
+    assert not costmodel.speculation_can_pay(CPU_LLAMACPP)
+    assert costmodel.speculation_can_pay({1: 1.0, 2: 1.05, 3: 1.6, 5: 2.4, 9: 3.5})  # float32 torch on a CPU

@@ -85,7 +85,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "eos_token_ids", "max_positions", "tokenizer_files", "methods", "max_k")
+    __slots__ = ("name", "vocab_size", "eos_token_ids", "max_positions", "tokenizer_files", "methods", "max_k", "drafting_cannot_pay")
     class TokenizerFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class ModelInfo(_message.Message):
     TOKENIZER_FILES_FIELD_NUMBER: _ClassVar[int]
     METHODS_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
+    DRAFTING_CANNOT_PAY_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -107,4 +108,5 @@ class ModelInfo(_message.Message):
     tokenizer_files: _containers.ScalarMap[str, bytes]
     methods: _containers.RepeatedScalarFieldContainer[str]
     max_k: int
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., methods: _Optional[_Iterable[str]] = ..., max_k: _Optional[int] = ...) -> None: ...
+    drafting_cannot_pay: bool
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., methods: _Optional[_Iterable[str]] = ..., max_k: _Optional[int] = ..., drafting_cannot_pay: _Optional[bool] = ...) -> None: ...
