@@ -269,7 +269,7 @@ class SessionRun:
             # auto: drafting or the target alone, whichever has cost less per token (specdec.step_choice);
             # a seeded sampled session always the target alone: its random draws depend on the way
             # (not before a streamed session's first token, whose latency the client sees)
-            # and never the draft where the target says none could pay (llama.cpp on a CPU): not even to measure it
+            # and never the draft where the target says none could pay (k tokens a forward cost k steps): not even to measure it
             way = (DRAFT if self.method == "draft" else LOCAL if self._seeded or self.coord.drafting_cannot_pay
                    else rates.choose(draft is not None, may_explore=bool(self.generated) or not self.streamed))
             t = time.perf_counter()
