@@ -177,10 +177,9 @@ class Engine:
         """c of the EAGLE draft on this target and machine (specdec.eagle.step_cost), kept in the store."""
         from specdec.costmodel import machine_identity
         from specdec.eagle import step_cost
-        from specdec.proposers.eagle import eagle_for_target
 
         lm = self.target.lm
-        draft = eagle_for_target(lm, self.config.eagle_dir)
+        draft = self.proposer_factory("eagle")().draft  # the draft the method loaded (once)
         key = {"figure": "eagle_cost", "machine": machine_identity(lm.device), "model": lm.cost_identity(),
                "eagle": self._proposer_name("eagle") or "shipped"}
         return float(self.costs.figure(key, "the EAGLE draft's cost against the target", lambda: step_cost(draft, lm)))

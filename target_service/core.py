@@ -122,6 +122,7 @@ class TargetCore:
         self.settings = settings
         self.costs = costs if costs is not None else user_cost_store()
         self._local_method: Optional[str] = None
+        self._drafting_cannot_pay: Optional[bool] = None
         # KV of prompts and finished sessions, reused by later sessions that start the same way
         self.prefix_cache: Optional[PrefixCache] = None
         if settings.prefix_cache_mb > 0:  # (every backend snapshots and restores a prefix)
@@ -307,9 +308,9 @@ class TargetCore:
         state at every position: what a feature-reading proposer (EAGLE) needs from position 0,
         when the session got here without them (its prefill, a Verify, another method). Its
         cache is rebuilt from scratch (a prefix-cache hit carries no states)."""
-        cache, n = self.target.new_cache(1), len(sess.tokens) - 1
-        features = self.target.prefill(cache, [sess.tokens[:-1]], all_hidden=True).hidden[0, :n] if n else None
-        sess.cache, sess.features = cache, [features] if n else []
+        sess.cache, sess.features, n = self.target.new_cache(1), [], len(sess.tokens) - 1
+        if n:
+            sess.features.append(self.target.prefill(sess.cache, [sess.tokens[:-1]], all_hidden=True).hidden[0, :n])
 
     # --- RPC bodies ------------------------------------------------------------------------
     async def verify(self, session_id: str, pos: Position, draft_ids: Sequence[int],
@@ -340,10 +341,12 @@ class TargetCore:
     def drafting_cannot_pay(self) -> bool:
         """Whether no draft could pay on this target here (costmodel.speculation_can_pay on its
         measured verify cost, the figure local_method reads): the coordinator's auto then never
-        tries the draft service."""
-        from specdec.costmodel import speculation_can_pay
+        tries the draft service. Worked out once (every Info call asks)."""
+        if self._drafting_cannot_pay is None:
+            from specdec.costmodel import speculation_can_pay
 
-        return not speculation_can_pay(self.costs.verify_cost(self.target))
+            self._drafting_cannot_pay = not speculation_can_pay(self.costs.verify_cost(self.target))
+        return self._drafting_cannot_pay
 
     def resolve_method(self, method: str) -> str:
         if method == "auto":

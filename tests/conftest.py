@@ -66,6 +66,11 @@ def gguf_copy(lm: CausalLM, path: Path, threads: int = 1, context=None):
     return LlamaCppLM(path, threads=threads, context=context)
 
 
+# Verify-cost curves for tests of rules that read v(k) (not this host's):
+GPU_LIKE_COST = {1: 1.0, 64: 1.05}  # a GPU: a forward over 64 tokens costs about one
+LLAMACPP_CPU_COST = {1: 1.0, 2: 1.9, 3: 2.8, 5: 4.6, 9: 8.0}  # llama.cpp on a CPU: k tokens cost ~k steps
+
+
 class FixedCosts(CostStore):
     """A cost store whose verify-cost curve is given: tests of a rule that reads v(k), not of
     this machine."""

@@ -1,5 +1,5 @@
-"""`specdec bench` and `specdec cost-curve`: argument parsing only (the work is in bench.py and
-costmodel.py)."""
+"""`specdec bench` and `specdec cost-curve`: argument parsing only (the work is in methods.py and
+specdec/costmodel.py)."""
 
 from __future__ import annotations
 

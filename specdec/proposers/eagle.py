@@ -167,12 +167,12 @@ class EagleProposer(Proposer):
     @staticmethod
     def _tree(logits: torch.Tensor, feed, ks: Sequence[int], widths: Sequence[int]) -> list[Proposal]:
         """Greedy: the argmax chain, each depth's next-best tokens beside it (side_branches)."""
-        chain, alternatives = [], []
-        for depth in range(max(ks)):
-            top = logits.topk(max(widths), dim=-1).indices.cpu()  # [rows, width], best first
+        chain, alternatives, depth_max, width_max = [], [], max(ks), max(widths)
+        for depth in range(depth_max):
+            top = logits.topk(width_max, dim=-1).indices.cpu()  # [rows, width], best first
             chain.append(top[:, 0])
             alternatives.append(top[:, 1:])
-            if depth + 1 < max(ks):
+            if depth + 1 < depth_max:
                 logits = feed(top[:, 0].to(logits.device))
         out = []
         for b, (k, w) in enumerate(zip(ks, widths)):

@@ -13,7 +13,7 @@ from specdec.decode import speculative_generate
 from specdec.proposers import PROPOSERS
 from specdec.proposers import DraftModelProposer
 from specdec.types import SamplingParams, StopConditions
-from tests.conftest import FixedCosts, assert_greedy_equal, plain
+from tests.conftest import GPU_LIKE_COST, LLAMACPP_CPU_COST, FixedCosts, assert_greedy_equal, plain
 from tests.services.stack import handled, local_stack, mean_batch_size, run
 
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 10, 11, 12, 13, 14], [20, 21, 22], [40, 41, 42, 43]]
@@ -141,7 +141,7 @@ def test_auto_takes_the_way_that_costs_less_per_token_and_equals_plain(redis_url
         # The target alone decodes plainly (no prompt lookup on it): what it costs then depends on the
         # delay alone, not on how well lookup happens to do on the tiny model's repetitive output.
         # (a flat verify cost, as a GPU's: a draft could pay, so auto measures both ways)
-        async with local_stack(redis_url, target, draft, methods={}, target_costs=FixedCosts(FLAT)) as st:
+        async with local_stack(redis_url, target, draft, methods={}, target_costs=FixedCosts(GPU_LIKE_COST)) as st:
             outs, proposes = [], []
             for p in prompts:  # one after another: each sees what the earlier ones measured
                 outs.append(await st.client.generate(st.client.request(token_ids=p, max_tokens=48, method="auto")))
@@ -159,10 +159,6 @@ def test_auto_takes_the_way_that_costs_less_per_token_and_equals_plain(redis_url
         assert rates["draft"] < rates["local"] and later >= 20, "auto did not keep to the faster draft"
 
 
-FLAT = {1: 1.0, 64: 1.05}  # a GPU-like verify cost: 64 tokens a forward cost about one
-STEEP = {1: 1.0, 2: 1.9, 3: 2.8, 5: 4.6, 9: 8.0}  # llama.cpp on a CPU: k tokens cost ~k steps
-
-
 def test_auto_never_tries_the_draft_where_the_target_says_none_could_pay(redis_url, long_target, good_draft):
     """On a target whose verify cost makes any draft a loss (llama.cpp on a CPU), auto decodes on
     the target alone from the first step, never even measuring the draft; asked for by name, the
@@ -170,7 +166,7 @@ def test_auto_never_tries_the_draft_where_the_target_says_none_could_pay(redis_u
     prompts = [p for p in PROMPTS for _ in range(2)]
 
     async def scenario():
-        async with local_stack(redis_url, long_target, good_draft, methods={}, target_costs=FixedCosts(STEEP)) as st:
+        async with local_stack(redis_url, long_target, good_draft, methods={}, target_costs=FixedCosts(LLAMACPP_CPU_COST)) as st:
             auto = [await st.client.generate(st.client.request(token_ids=p, max_tokens=24, method="auto"))
                     for p in prompts]
             auto_proposes, rates = _propose_calls(st.core.metrics), dict(st.core.step_rates.seconds_per_token)

@@ -9,7 +9,7 @@ import torch
 
 from specdec import costmodel
 from specdec.costmodel import (best_k, expected_tokens, measure_verify_cost, predicted_speedup, verify_cost_at)
-from tests.conftest import quiet
+from tests.conftest import GPU_LIKE_COST, LLAMACPP_CPU_COST, quiet
 
 
 def test_expected_tokens_is_one_when_nothing_is_accepted():
@@ -200,19 +200,15 @@ def test_cost_store_survives_a_corrupt_file(tmp_path, tiny_target):
 
 # --- auto from measured acceptance ------------------------------------------------------------
 
-GPU_LIKE = {1: 1.0, 2: 1.0, 5: 1.01, 9: 1.02}
-CPU_LLAMACPP = {1: 1.0, 2: 1.9, 3: 2.8, 5: 4.6, 9: 8.0}
-
-
 def test_choose_method_takes_the_best_predicted_speedup_and_plain_below_the_margin():
     candidates = {"prompt-lookup": (0.3, 0.0), "draft": (0.8, 0.05)}
-    assert costmodel.choose_method(GPU_LIKE, candidates) == "draft"
-    assert costmodel.choose_method(GPU_LIKE, {"prompt-lookup": (0.3, 0.0), "draft": (0.2, 0.3)}) == "prompt-lookup"
-    assert costmodel.choose_method(CPU_LLAMACPP, candidates) == "plain"  # nothing pays where k tokens cost ~k steps
-    assert costmodel.choose_method(GPU_LIKE, {"draft": (0.05, 0.5)}) == "plain"
+    assert costmodel.choose_method(GPU_LIKE_COST, candidates) == "draft"
+    assert costmodel.choose_method(GPU_LIKE_COST, {"prompt-lookup": (0.3, 0.0), "draft": (0.2, 0.3)}) == "prompt-lookup"
+    assert costmodel.choose_method(LLAMACPP_CPU_COST, candidates) == "plain"  # nothing pays where k tokens cost ~k steps
+    assert costmodel.choose_method(GPU_LIKE_COST, {"draft": (0.05, 0.5)}) == "plain"
     # prompt lookup at a measured acceptance of 0.05 is not worth it even where verifying is free
-    assert costmodel.target_local_method(GPU_LIKE) == "prompt-lookup"
-    assert costmodel.target_local_method(GPU_LIKE, alpha=0.05) == "plain"
+    assert costmodel.target_local_method(GPU_LIKE_COST) == "prompt-lookup"
+    assert costmodel.target_local_method(GPU_LIKE_COST, alpha=0.05) == "plain"
 
 
 def test_acceptance_is_counted_per_method_kept_for_later_processes_and_follows_recent_runs(tmp_path, tiny_target):
@@ -244,7 +240,7 @@ def test_auto_turns_to_the_draft_once_it_has_run_well_here_and_away_from_a_looku
         def draft_cost(self, draft, target) -> float:
             return 0.05
 
-    costs = Costs(GPU_LIKE)
+    costs = Costs(GPU_LIKE_COST)
     engine = Engine.from_models(LoadedModel(tiny_target, None, "tiny"),
                                 draft=LoadedModel(perturbed_copy(tiny_target, noise=0.02, seed=1), None, "draft"),
                                 costs=costs)
@@ -260,6 +256,6 @@ def test_auto_turns_to_the_draft_once_it_has_run_well_here_and_away_from_a_looku
 
 
 def test_speculation_can_pay_only_where_a_perfect_free_draft_would_clear_the_margin():
-    assert costmodel.speculation_can_pay(GPU_LIKE)
-    assert not costmodel.speculation_can_pay(CPU_LLAMACPP)
+    assert costmodel.speculation_can_pay(GPU_LIKE_COST)
+    assert not costmodel.speculation_can_pay(LLAMACPP_CPU_COST)
     assert costmodel.speculation_can_pay({1: 1.0, 2: 1.05, 3: 1.6, 5: 2.4, 9: 3.5})  # float32 torch on a CPU

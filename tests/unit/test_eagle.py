@@ -23,7 +23,7 @@ from specdec.proposers.eagle import feature_start
 from specdec.training.eagle import EagleRecipe, make_batch, train_eagle, unroll_mask, unrolled_outputs
 from specdec.training.selfdistill import write_part
 from specdec.types import SamplingParams, StopConditions
-from tests.conftest import check_greedy, assert_greedy_equal, gguf_copy
+from tests.conftest import GPU_LIKE_COST, LLAMACPP_CPU_COST, check_greedy, assert_greedy_equal, gguf_copy
 from tests.unit.test_sampling_e2e import PROMPT, ROWS, VOCAB, _assert_fits, _histogram, _joint_probs
 
 PROMPTS = [[5, 17, 33, 2, 40], [9, 9], [60, 12, 7, 88, 3, 21, 45, 50, 11]]
@@ -355,18 +355,14 @@ def test_batch_labels_are_the_targets_next_top1_in_the_subset(tiny_target):
 
 # --- trees where verification is about as cheap as the chain's ---------------------------------
 
-FLAT_COST = {1: 1.0, 64: 1.05}  # a GPU-like curve: a forward over 64 tokens costs about one
-CPU_COST = {1: 1.0, 2: 1.8, 8: 7.0}  # llama.cpp on a CPU: ~k single steps
-
-
 def test_tree_width_adds_siblings_only_where_the_tree_costs_about_the_chain():
     from specdec.proposers.eagle import MAX_WIDTH, tree_width
 
-    assert tree_width(FLAT_COST, 4, runs_trees=True) == MAX_WIDTH
-    assert tree_width(CPU_COST, 4, runs_trees=True) == 1
-    assert tree_width(FLAT_COST, 4, runs_trees=False) == 1  # llama.cpp verifies chains only
+    assert tree_width(GPU_LIKE_COST, 4, runs_trees=True) == MAX_WIDTH
+    assert tree_width(LLAMACPP_CPU_COST, 4, runs_trees=True) == 1
+    assert tree_width(GPU_LIKE_COST, 4, runs_trees=False) == 1  # llama.cpp verifies chains only
     assert tree_width(None, 4, runs_trees=True) == 1  # cost unknown: the chain
-    assert tree_width(FLAT_COST, 0, runs_trees=True) == 1
+    assert tree_width(GPU_LIKE_COST, 0, runs_trees=True) == 1
 
 
 def test_side_branches_hang_each_depth_s_alternatives_beside_the_chain_token():
@@ -389,7 +385,7 @@ def test_an_eagle_tree_is_lossless_and_accepts_at_least_what_its_chain_does(tiny
              else build_eagle(tiny_target, torch.arange(0, 96, 2)))
     stop = StopConditions(max_new_tokens=25)
     chain = check_greedy(target, EagleProposer(draft), PROMPTS, stop, 4)
-    tree = check_greedy(target, EagleProposer(draft, verify_cost=FLAT_COST, runs_trees=True), PROMPTS, stop, 4)
+    tree = check_greedy(target, EagleProposer(draft, verify_cost=GPU_LIKE_COST, runs_trees=True), PROMPTS, stop, 4)
     accepted = lambda results: sum(r.stats.accepted for r in results)  # noqa: E731
     forwards = lambda results: sum(r.stats.target_forwards for r in results)  # noqa: E731
     assert accepted(tree) >= accepted(chain) and forwards(tree) <= forwards(chain)
@@ -419,7 +415,7 @@ def test_auto_weighs_the_eagle_draft_once_it_has_run_here(tiny_target, trained_d
         def figure(self, key, what, measure, timed=True):
             return 0.1 if key["figure"] == "eagle_cost" else super().figure(key, what, measure, timed)
 
-    costs = Costs({1: 1.0, 64: 1.05})
+    costs = Costs(GPU_LIKE_COST)
     engine = Engine.from_models(LoadedModel(tiny_target, None, "tiny"), costs=costs,
                                 config=EngineConfig(eagle_dir=str(trained_dir)))
     rows = _answers(tiny_target, 6, seed=0)  # prompts it was trained on: accepted often
