@@ -75,3 +75,21 @@ def test_incremental_text_equals_the_real_tokenizers_whole_decoding(real, plain)
             step = rng.randint(1, 5)
             assert text.push(ids[i : i + step]) == detokenize(ids[: i + step])
             i += step
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_shipped_eagle_draft_is_lossless_on_the_real_target(real, prompts, plain, tree):
+    """The EAGLE draft shipped for the embedded target, as a chain and as a tree (siblings at each
+    depth, as on a GPU's flat verify cost), reproduces plain decoding token for token."""
+    from specdec.eagle import load_eagle, shipped_eagle_path
+    from specdec.models import DEFAULT_TARGET
+    from specdec.proposers import EagleProposer
+    from tests.conftest import GPU_LIKE_COST
+
+    draft = load_eagle(shipped_eagle_path(DEFAULT_TARGET), real.lm)
+    proposer = EagleProposer(draft, verify_cost=GPU_LIKE_COST, runs_trees=True) if tree else EagleProposer(draft)
+    stop = StopConditions(max_new_tokens=32, eos_token_ids=real.lm.eos_token_ids)
+    got = [speculative_generate(real.lm, proposer, [p], stop=stop, k=4)[0] for p in prompts]
+    for p, g, w in zip(prompts, got, plain):
+        assert_greedy_equal(real.lm, p, g.token_ids, w.token_ids)
+    assert sum(g.stats.accepted for g in got) > 0, "nothing was accepted: rollback paths were not exercised"
