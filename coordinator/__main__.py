@@ -15,6 +15,8 @@
 --draft-service NAME   kubernetes: the draft Service whose EndpointSlices to watch (default specdec-draft)
 --target-service NAME  kubernetes: the target Service (default specdec-target)
 --session-ttl S        seconds a session lives in Redis after its last write (default 3600)
+--costs-dir DIR        where auto keeps the draft's measured acceptance across restarts (default: the
+                       user's cache folder; none: in memory)
 --grace-period S       after SIGTERM: health NOT_SERVING, in-flight calls get S seconds (default 5)
 --config FILE          TOML with any of these settings, keys with underscores (redis_url = "...");
                        flags given on the command line override the file
@@ -39,6 +41,7 @@ import asyncio
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 from specdec.rpc.security import ClientTLS, SecurityConfigError, is_loopback
@@ -74,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-wait-s", type=float, default=30.0,
                    help="how long a session waits for a live target replica before UNAVAILABLE (default 30)")
     p.add_argument("--max-k", type=int, default=16)
+    p.add_argument("--costs-dir", default=None,
+                   help="where auto keeps the draft's measured acceptance across restarts (default: the user's "
+                        "cache folder, as the other services' measured costs; 'none': in memory only)")
     p.add_argument("--sessions-per-target", type=int, default=8,
                    help="sessions generating at once per live target replica; the others wait their turn "
                         "(as llama-server's slots)")
@@ -121,6 +127,17 @@ def redis_options(args: argparse.Namespace) -> dict:
     return opts
 
 
+def cost_store(where: Optional[str]):
+    """The coordinator's CostStore: in the folder given, the user's cache folder by default, or
+    in memory ('none')."""
+    from specdec.costmodel import CostStore
+    from specdec.models import user_cost_store
+
+    if where is None:
+        return user_cost_store()
+    return CostStore() if where.lower() == "none" else CostStore(Path(where))
+
+
 async def _serve(args: argparse.Namespace) -> None:
     apply_threads(args)
     from coordinator.core import CoordinatorSettings
@@ -139,7 +156,8 @@ async def _serve(args: argparse.Namespace) -> None:
     targets = parse_replicas(args.target_replicas) if static and args.target_replicas else []
     running = await start_coordinator_server(args.redis_url, drafts, targets, server_settings(args), settings,
                                              upstream_tls=upstream_tls(args), redis_options=redis_options(args),
-                                             http_port=None if args.http_port < 0 else args.http_port)
+                                             http_port=None if args.http_port < 0 else args.http_port,
+                                             costs=cost_store(args.costs_dir))
     watchers = []
     if not static:
         ns = args.namespace or (open(_NS_FILE).read().strip() if os.path.exists(_NS_FILE) else "default")

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Optional, 
 from specdec.errors import FailedPrecondition, InvalidRequest, NotFound, Overloaded, SpecdecError, Unavailable
 from specdec.service.metrics import ServiceMetrics
 from specdec.sessions import check_session_id, check_token_ids
-from specdec.step_choice import StepRates
+from specdec.costmodel import CostStore, acceptance_can_pay, acceptance_upper_bound
+from specdec.step_choice import ACCEPTANCE_KEY, StepRates
 from coordinator.affinity import PrefixAffinity
 from coordinator.slots import SessionSlots
 from specdec.stopping import IncrementalText, StopChecker, cut_at_stop_string
@@ -94,8 +95,11 @@ class Update:
 
 class Coordinator:
     def __init__(self, store: SessionStore, draft_pool: ReplicaPool, target_pool: ReplicaPool,
-                 settings: CoordinatorSettings = CoordinatorSettings(), metrics: Optional[ServiceMetrics] = None):
+                 settings: CoordinatorSettings = CoordinatorSettings(), metrics: Optional[ServiceMetrics] = None,
+                 costs: Optional[CostStore] = None):
+        """costs: where drafting's measured acceptance is kept (default: in memory, for this process)."""
         self.store = store
+        self.costs = costs if costs is not None else CostStore()
         self.draft_pool = draft_pool
         self.target_pool = target_pool
         self.settings = settings
@@ -195,7 +199,7 @@ class Coordinator:
             return rep.usable
         info = await rep.client.info()
         target = await self.info()
-        rep.checked = True
+        rep.checked, rep.model = True, info.name
         if info.vocab_size != target.vocab_size:
             self.draft_pool.mark_unusable(rep.address, f"its vocabulary ({info.vocab_size} tokens) differs from the "
                                                        f"target's ({target.vocab_size})")
@@ -209,6 +213,25 @@ class Coordinator:
     def drafting_cannot_pay(self) -> bool:
         """The target says no draft could pay on it (its measured verify cost): auto never drafts."""
         return bool(self._info and self._info.drafting_cannot_pay)
+
+    def draft_hopeless(self, rep) -> bool:
+        """Whether the draft replica's measured acceptance on this target (its drafted tokens
+        judged here, and in earlier runs where the cost store is on disk) says, with 95%
+        confidence, that it could not pay even if drafting cost nothing, on the target's measured
+        verify cost (costmodel.acceptance_can_pay at acceptance_upper_bound): auto then leaves
+        the draft idle (StepRates.choose)."""
+        info = self._info
+        if info is None or not info.verify_cost or not rep.model:
+            return False
+        got = self.costs.acceptance_counts(info.name, ACCEPTANCE_KEY, rep.model)
+        return got is not None and not acceptance_can_pay(info.verify_cost, acceptance_upper_bound(got[1], got[0]))
+
+    def _keep_acceptance(self, run: SessionRun) -> None:
+        """A run's drafted tokens judged and accepted, per draft model, into the cost store."""
+        if self._info is None:
+            return
+        for model, (judged, accepted) in run.draft_judged.items():
+            self.costs.add_acceptance(self._info.name, ACCEPTANCE_KEY, judged, accepted, proposer=model)
 
     def _load_tokenizer(self, files: dict[str, bytes]):
         if "tokenizer.json" not in files and "tokenizer_config.json" not in files:
@@ -363,6 +386,7 @@ class Coordinator:
         return sum(1 for r in self.runs.values() if r.target_home == address and not r.finished)
 
     def run_ended(self, run: SessionRun) -> None:
+        self._keep_acceptance(run)
         if self.runs.get(run.session_id) is run:
             del self.runs[run.session_id]
         self.metrics.sessions.set(len(self.runs))

@@ -50,6 +50,7 @@ class Replica(Generic[C]):
     open_until: float = 0.0  # breaker: not used before this time after a failure
     usable: bool = True  # False: permanently refused (e.g. a draft with another vocabulary)
     checked: bool = False  # its model facts were checked against the target's
+    model: str = ""  # the model it serves (its Info's name), once checked
     seen_serving: bool = False  # answered SERVING once: before that, failing a probe means "still starting"
 
 

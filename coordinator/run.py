@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Optional, Protocol
 
 from specdec.errors import NotFound, Overloaded, RemoteError, SpecdecError, Unavailable
 from specdec.sessions import PrefixDigests, extend_digest
-from specdec.step_choice import DRAFT, LOCAL, StepRates
+from specdec.step_choice import DRAFT, LOCAL, StepRates, judged_tokens
 from specdec.stopping import StopChecker
 from specdec.types import DraftBlock, GenerationStats, SamplingParams, StopConditions
 from specdec.verify import common_prefix_len
@@ -77,6 +77,8 @@ class RunHost(Protocol):
 
     @property
     def drafting_cannot_pay(self) -> bool: ...
+
+    def draft_hopeless(self, rep) -> bool: ...
 
     async def draft_fits(self, rep) -> bool: ...
 
@@ -141,6 +143,8 @@ class SessionRun:
     _commit: Optional[asyncio.Future] = None  # the Redis write in flight
     tokens: list[int] = field(default_factory=list)  # verified tokens: the committed ones + the write in flight
     digests: PrefixDigests = field(default_factory=PrefixDigests)  # of `tokens`, which only grows
+    # per draft model: its drafted tokens the target judged, and accepted (the host keeps them at the end)
+    draft_judged: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.rec.tokens)
@@ -269,9 +273,11 @@ class SessionRun:
             # auto: drafting or the target alone, whichever has cost less per token (specdec.step_choice);
             # a seeded sampled session always the target alone: its random draws depend on the way
             # (not before a streamed session's first token, whose latency the client sees)
-            # and never the draft where the target says none could pay (k tokens a forward cost k steps): not even to measure it
+            # and never the draft where the target says none could pay (k tokens a forward cost k steps): not even to measure it,
+            # nor, but rarely, a draft whose measured acceptance could not pay on this target were it free
             way = (DRAFT if self.method == "draft" else LOCAL if self._seeded or self.coord.drafting_cannot_pay
-                   else rates.choose(draft is not None, may_explore=bool(self.generated) or not self.streamed))
+                   else rates.choose(draft is not None, may_explore=bool(self.generated) or not self.streamed,
+                                     draft_hopeless=draft is not None and self.coord.draft_hopeless(draft)))
             t = time.perf_counter()
             if way == LOCAL:
                 chunk = self._local_chunk()
@@ -291,6 +297,9 @@ class SessionRun:
                     t_verify = self._timed("propose", t)
                     verdict = await self._verify(block)
                     self._timed("verify", t_verify)
+                    counts = self.draft_judged.setdefault(draft.model, [0, 0])
+                    counts[0] += judged_tokens(verdict.num_drafted, verdict.num_accepted)
+                    counts[1] += verdict.num_accepted
                     if warm and k == self.k:  # (a short last block, or one that loads the draft: not typical)
                         rates.record(DRAFT, time.perf_counter() - t, len(verdict.emitted))
                     else:

@@ -87,17 +87,18 @@ async def start_coordinator_server(redis_url: str, draft_addresses: Sequence[str
                                    settings: CoordinatorSettings = CoordinatorSettings(),
                                    upstream_tls: Optional[ClientTLS] = None,
                                    redis_options: Optional[dict] = None,
-                                   http_port: Optional[int] = None) -> RunningServer:
+                                   http_port: Optional[int] = None, costs=None) -> RunningServer:
     """`upstream_tls`: TLS to the draft and target replicas (with the coordinator's client
     certificate for mutual TLS); `redis_options`: redis-py connection settings beside the URL
     (username, password, ssl_ca_certs, ...); `http_port`: also serve the OpenAI-compatible HTTP
-    API there (0: any free port; None: not at all), with the gRPC port's TLS and token file."""
+    API there (0: any free port; None: not at all), with the gRPC port's TLS and token file;
+    `costs`: the CostStore that keeps drafting's measured acceptance (default: in memory)."""
     metrics = ServiceMetrics("coordinator")
     store = SessionStore(redis_url, ttl_s=settings.session_ttl_s, **(redis_options or {}))
     draft_pool, target_pool = replica_pools(draft_addresses, target_addresses, settings, upstream_tls)
     for pool in (draft_pool, target_pool):
         pool.on_probe = metrics.replicas_live.labels(service=pool.name).set
-    core = Coordinator(store, draft_pool, target_pool, settings, metrics)
+    core = Coordinator(store, draft_pool, target_pool, settings, metrics, costs=costs)
     core.start()
     http = None
     try:

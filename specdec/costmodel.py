@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -120,11 +121,30 @@ def target_local_method(v: VerifyCost, alpha: Optional[float] = None) -> str:
     return choose_method(v, {"prompt-lookup": (AUTO_ALPHA if alpha is None else alpha, 0.0)})
 
 
+def acceptance_can_pay(v: VerifyCost, alpha: float) -> bool:
+    """Whether a draft right `alpha` of the time could beat plain decoding on this verify cost by
+    the margin if drafting cost nothing (c 0, its best k): the most any draft at that acceptance
+    could gain. False: not worth even a try."""
+    return choose_method(v, {"a free draft": (alpha, 0.0)}) != "plain"
+
+
+def acceptance_upper_bound(accepted: float, judged: float, z: float = 1.645) -> float:
+    """A one-sided upper confidence bound on the acceptance rate after `accepted` of `judged`
+    drafted tokens were accepted (Wilson's score bound; z 1.645: 95%); 1 before any was judged.
+    Two rejections already bound it below 0.6, so a draft that cannot pay is known quickly."""
+    if judged <= 0:
+        return 1.0
+    p, z2 = min(max(accepted / judged, 0.0), 1.0), z * z
+    centre = p + z2 / (2 * judged)
+    spread = z * math.sqrt(p * (1 - p) / judged + z2 / (4 * judged * judged))
+    return min(1.0, (centre + spread) / (1 + z2 / judged))
+
+
 def speculation_can_pay(v: VerifyCost) -> bool:
     """Whether any draft could beat plain decoding on this verify cost by the margin: a free draft
     that is always right (alpha 1, c 0) at its best k. Not on llama.cpp on a CPU, where a forward
     over k tokens costs ~k single steps: there nothing need be tried."""
-    return choose_method(v, {"a perfect free draft": (1.0, 0.0)}) != "plain"
+    return acceptance_can_pay(v, 1.0)
 
 
 # The drafted tokens an acceptance record keeps the weight of: older ones fade, so the figure
@@ -346,10 +366,15 @@ class CostStore:
 
     def acceptance(self, target, method: str, proposer: str = "") -> Optional[float]:
         """The acceptance rate `method` (with `proposer`: its draft or heads, by path) has had on
-        this target in earlier runs (add_acceptance), or None before any drafted token. Not a
-        timing: it depends on the models and the prompts, not on the machine."""
+        this target (a model, or its name) in earlier runs (add_acceptance), or None before any
+        drafted token. Not a timing: it depends on the models and the prompts, not on the machine."""
+        got = self.acceptance_counts(target, method, proposer)
+        return None if got is None else got[1] / got[0]
+
+    def acceptance_counts(self, target, method: str, proposer: str = "") -> Optional[tuple[float, float]]:
+        """The (faded) drafted and accepted token counts behind acceptance(), or None before any."""
         got = self._acceptance(self._acceptance_key(target, method, proposer))
-        return None if got is None or got[0] <= 0 else got[1] / got[0]
+        return None if got is None or got[0] <= 0 else got
 
     def add_acceptance(self, target, method: str, drafted: int, accepted: int, proposer: str = "") -> None:
         """Count a run's drafted and accepted tokens in (the oldest fading beyond ACCEPTANCE_WINDOW)."""
@@ -367,7 +392,8 @@ class CostStore:
 
     @staticmethod
     def _acceptance_key(target, method: str, proposer: str) -> dict:
-        return {"figure": "acceptance", "target": target.name, "method": method, "proposer": proposer}
+        return {"figure": "acceptance", "target": getattr(target, "name", target), "method": method,
+                "proposer": proposer}
 
     def _acceptance(self, key: dict) -> Optional[tuple[float, float]]:
         digest = _key_digest(key)

@@ -21,6 +21,12 @@ a streamed session's first token. So conditions that change (another prompt mix,
 draft) are noticed while a way that keeps losing costs almost nothing. Both ways are lossless,
 so a choice changes speed, never the output.
 
+What drafting has measured of the draft's acceptance goes further than its timings: where even
+a free draft right that often could not beat the target alone on its verify cost, the draft is
+left idle (draft_hopeless), tried again only every max_explore_after_s. The coordinator keeps
+that acceptance in its cost store (on disk where it has one), so a restarted coordinator that
+knows the draft loses does not pay to find out again.
+
 Limitation: one set of rates per coordinator, shared by its sessions: a session whose prompts
 suit drafting far better than the mix (a summary that copies its document) is not told apart.
 """
@@ -32,6 +38,16 @@ from typing import Optional
 
 LOCAL = "local"
 DRAFT = "draft"
+
+# What the coordinator keeps a draft service's acceptance under in its cost store.
+ACCEPTANCE_KEY = "draft-service"
+
+
+def judged_tokens(drafted: int, accepted: int) -> int:
+    """Drafted tokens a verification judged: the accepted ones and the first rejected one (those
+    after it were never compared). accepted / judged estimates the per-token acceptance rate
+    whatever k was, which accepted / drafted underestimates for k > 1."""
+    return accepted + (1 if accepted < drafted else 0)
 
 
 @dataclass
@@ -71,14 +87,21 @@ class StepRates:
         threads slowed down many times while another process kept a core busy)."""
         return self.faster() == DRAFT
 
-    def choose(self, draft_available: bool, may_explore: bool = True) -> str:
+    def choose(self, draft_available: bool, may_explore: bool = True, draft_hopeless: bool = False) -> str:
         """The way to take the next step (LOCAL whenever no draft is available). may_explore
         False (a session's first token, whose latency a client sees): the way measured faster, or
-        LOCAL while either is unmeasured; no exploration starts."""
+        LOCAL while either is unmeasured; no exploration starts. draft_hopeless: the draft's
+        measured acceptance says it could not pay even if drafting cost nothing (the caller asks
+        costmodel.acceptance_can_pay with the target's verify cost): unless drafting has measured
+        faster, it is neither measured first nor explored before max_explore_after_s of the
+        other way's time (then once, as the prompts may have changed)."""
         if not draft_available:
             return LOCAL
         if not may_explore and self._exploring is None:
             return self.faster() or LOCAL
+        if (draft_hopeless and self._exploring is None and self.faster() != DRAFT
+                and self._spent_s < self.max_explore_after_s):
+            return LOCAL
         for way in (LOCAL, DRAFT):  # each measured once first
             if way not in self._sums:
                 return way

@@ -208,6 +208,7 @@ class ModelInfo:
     methods: tuple[str, ...] = ()
     tokenizer_files: dict[str, bytes] = field(default_factory=dict)
     drafting_cannot_pay: bool = False  # target only: see common.proto ModelInfo
+    verify_cost: dict[int, float] = field(default_factory=dict)  # target only: v(k), see common.proto
 
 
 @dataclass(frozen=True)

@@ -338,6 +338,11 @@ class TargetCore:
             self._local_method = method if method == "plain" or method in self.methods else "plain"
         return self._local_method
 
+    def verify_cost(self) -> dict[int, float]:
+        """This target's measured verify cost v(k) here (the cost store's figure, measured once):
+        Info hands it to the coordinator, whose auto weighs a draft's measured acceptance with it."""
+        return self.costs.verify_cost(self.target)
+
     def drafting_cannot_pay(self) -> bool:
         """Whether no draft could pay on this target here (costmodel.speculation_can_pay on its
         measured verify cost, the figure local_method reads): the coordinator's auto then never
@@ -345,7 +350,7 @@ class TargetCore:
         if self._drafting_cannot_pay is None:
             from specdec.costmodel import speculation_can_pay
 
-            self._drafting_cannot_pay = not speculation_can_pay(self.costs.verify_cost(self.target))
+            self._drafting_cannot_pay = not speculation_can_pay(self.verify_cost())
         return self._drafting_cannot_pay
 
     def resolve_method(self, method: str) -> str:

@@ -31,7 +31,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return common_pb2.ModelInfo(name=lm.name, vocab_size=lm.vocab_size, eos_token_ids=list(lm.eos_token_ids),
                                     max_positions=lm.max_positions, tokenizer_files=self.core.tokenizer_files(),
                                     methods=self.core.available_methods(), max_k=self.core.settings.max_k,
-                                    drafting_cannot_pay=self.core.drafting_cannot_pay())
+                                    drafting_cannot_pay=self.core.drafting_cannot_pay(),
+                                    verify_cost=self.core.verify_cost())
 
     async def Prefill(self, request, context):
         sid = check_session_id(request.session_id)

@@ -227,7 +227,8 @@ class ServiceClient:
 def _info_from(msg: common_pb2.ModelInfo) -> ModelInfo:
     return ModelInfo(name=msg.name, vocab_size=msg.vocab_size, eos_token_ids=tuple(msg.eos_token_ids),
                      max_positions=msg.max_positions, max_k=msg.max_k, methods=tuple(msg.methods),
-                     tokenizer_files=dict(msg.tokenizer_files), drafting_cannot_pay=msg.drafting_cannot_pay)
+                     tokenizer_files=dict(msg.tokenizer_files), drafting_cannot_pay=msg.drafting_cannot_pay,
+                     verify_cost={int(k): float(v) for k, v in msg.verify_cost.items()})
 
 
 class DraftClient(ServiceClient):

@@ -72,12 +72,14 @@ async def local_stack(redis_url: str, target_lm: CausalLM, draft_lm: Optional[Ca
                       inner: ServerSettings = ServerSettings(), outer: Optional[ServerSettings] = None,
                       upstream_tls: Optional[ClientTLS] = None, client_tls: Optional[ClientTLS] = None,
                       token: Optional[str] = None, redis_options: Optional[dict] = None,
-                      http_port: Optional[int] = None, tokenizer_dir: Optional[str] = None, target_costs=None):
+                      http_port: Optional[int] = None, tokenizer_dir: Optional[str] = None, target_costs=None,
+                      coordinator_costs=None):
     """`inner`: the draft's and target's server settings (TLS), `outer`: the coordinator's (TLS,
     tokens); `upstream_tls`: how the coordinator reaches draft and target; `client_tls`, `token`:
     how the test's client reaches the coordinator; `http_port`: serve the OpenAI-compatible HTTP API
     too (0: a free port; `stack.coord.http.url`); `tokenizer_dir`: the tokenizer the targets serve;
-    `target_costs`: the CostStore the targets' automatic choices read (default: the suite's)."""
+    `target_costs`: the CostStore the targets' automatic choices read (default: the suite's);
+    `coordinator_costs`: the one the coordinator keeps drafting's acceptance in (default: memory)."""
     stack = LocalStack(redis_url, target_lm, draft_lm, target_settings)
     try:
         if draft_lm is not None:
@@ -90,7 +92,7 @@ async def local_stack(redis_url: str, target_lm: CausalLM, draft_lm: Optional[Ca
         stack.coord = await start_coordinator_server(redis_url, [d.address for d in stack.drafts],
                                                      [t.address for t in stack.targets], settings=settings,
                                                      upstream_tls=upstream_tls, redis_options=redis_options,
-                                                     http_port=http_port, **coord_kw)
+                                                     http_port=http_port, costs=coordinator_costs, **coord_kw)
         stack.client = CoordinatorClient(stack.coord.address, tls=client_tls, token=token)
         yield stack
     finally:

@@ -182,6 +182,44 @@ def test_auto_never_tries_the_draft_where_the_target_says_none_could_pay(redis_u
     assert_greedy_equal(long_target, prompts[0], named.token_ids, plain(long_target, prompts[0], 24).token_ids)
 
 
+# A verify cost like llama.cpp's at 2 threads on the 2-core hosts measured (v(5) = 3.19): a
+# perfect free draft would pay, one right a fifth of the time could not.
+PAYS_ONLY_IF_RIGHT = {1: 1.0, 2: 1.44, 3: 1.9, 5: 3.19, 9: 6.0}
+
+
+def test_auto_leaves_a_draft_idle_once_its_measured_acceptance_could_not_pay(redis_url, long_target, tmp_path):
+    """auto measures a draft that is hardly ever right once; from then on its acceptance (kept in
+    the coordinator's cost store) says it could not pay on this target even if it cost nothing,
+    so no later session drafts, and a restarted coordinator with the same store never drafts at
+    all. Outputs are plain decoding's throughout."""
+    from specdec.costmodel import CostStore
+    from specdec.step_choice import ACCEPTANCE_KEY
+    from specdec.testing import tiny_llama
+
+    stranger = tiny_llama(seed=7, vocab_size=96, num_layers=2, hidden_size=48, eos_token_id=None)  # unrelated weights
+    prompts = [p for p in PROMPTS for _ in range(2)]
+
+    async def sessions(costs):
+        async with local_stack(redis_url, long_target, stranger, methods={}, target_costs=FixedCosts(PAYS_ONLY_IF_RIGHT),
+                               coordinator_costs=costs) as st:
+            outs, proposes = [], []
+            for p in prompts:
+                outs.append(await st.client.generate(st.client.request(token_ids=p, max_tokens=24, method="auto")))
+                proposes.append(_propose_calls(st.core.metrics))
+            return outs, proposes
+
+    first_outs, first = run(sessions(CostStore(tmp_path)))
+    counts = CostStore(tmp_path).acceptance_counts(long_target.name, ACCEPTANCE_KEY, stranger.name)
+    again_outs, again = run(sessions(CostStore(tmp_path)))
+    for p, out in zip(prompts * 2, first_outs + again_outs):
+        assert_greedy_equal(long_target, p, out.token_ids, plain(long_target, p, 24).token_ids)
+    assert first[-1] > 0, "auto never measured the draft"
+    assert counts is not None and counts[1] / counts[0] < 0.3, f"the draft's acceptance was not kept: {counts}"
+    measured_in = next(i for i, n in enumerate(first) if n > 0)
+    assert first[-1] == first[measured_in], "auto drafted again after the draft's acceptance ruled it out"
+    assert again[-1] == 0, "a coordinator that knew the draft's acceptance still tried it"
+
+
 def _propose_calls(metrics) -> int:
     """Steps drafted on the draft service so far (the coordinator's propose timings)."""
     return int(next((s.value for s in metrics.step_phase.collect()[0].samples

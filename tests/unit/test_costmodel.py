@@ -259,3 +259,22 @@ def test_speculation_can_pay_only_where_a_perfect_free_draft_would_clear_the_mar
     assert costmodel.speculation_can_pay(GPU_LIKE_COST)
     assert not costmodel.speculation_can_pay(LLAMACPP_CPU_COST)
     assert costmodel.speculation_can_pay({1: 1.0, 2: 1.05, 3: 1.6, 5: 2.4, 9: 3.5})  # float32 torch on a CPU
+
+
+def test_acceptance_upper_bound_is_above_the_rate_and_tightens_with_evidence():
+    from specdec.costmodel import acceptance_upper_bound
+
+    assert acceptance_upper_bound(0, 0) == 1.0
+    assert acceptance_upper_bound(0, 2) < 0.6  # two rejections: a draft needing 0.6 is ruled out
+    for accepted, judged in ((1, 10), (50, 100), (90, 100), (10, 10)):
+        assert accepted / judged <= acceptance_upper_bound(accepted, judged) <= 1.0
+    bounds = [acceptance_upper_bound(n // 5, n) for n in (5, 20, 100, 1000)]
+    assert bounds == sorted(bounds, reverse=True) and bounds[-1] < 0.23
+
+
+def test_acceptance_can_pay_follows_the_verify_cost():
+    from specdec.costmodel import acceptance_can_pay
+
+    host = {1: 1.0, 2: 1.44, 3: 1.9, 5: 3.19, 9: 6.0}  # llama.cpp at 2 threads on the hosts measured
+    assert acceptance_can_pay(host, 0.9) and not acceptance_can_pay(host, 0.2)
+    assert acceptance_can_pay({1: 1.0, 64: 1.05}, 0.2)  # a GPU: a draft right a fifth of the time could pay

@@ -148,3 +148,25 @@ def test_no_exploration_or_first_measurement_where_it_may_not():
         rates.record(DRAFT, 0.02, 8)  # time passes: an exploration is due
     assert rates.choose(True, may_explore=False) == DRAFT
     assert rates.choose(True) == LOCAL  # the due exploration, at the next step that may
+
+
+def test_a_hopeless_draft_is_neither_measured_first_nor_explored_until_the_long_wait():
+    """A draft whose measured acceptance could not pay even for free is left idle; after
+    max_explore_after_s of the target alone's time it is tried once (the prompts may have
+    changed), and then left idle for as long again."""
+    rates = StepRates(explore_after_s=1.0, max_explore_after_s=10.0, max_share=1.0)
+    taken = []
+    for _ in range(300):  # 0.1 s a LOCAL step, 0.3 s a DRAFT step
+        way = rates.choose(draft_available=True, draft_hopeless=True)
+        rates.record(way, {LOCAL: 0.1, DRAFT: 0.3}[way], 1)
+        taken.append(way)
+    tries = [i for i, way in enumerate(taken) if way == DRAFT]
+    assert len(tries) == 2, tries
+    assert 99 <= tries[0] <= 102 and 99 <= tries[1] - tries[0] <= 102
+
+
+def test_a_hopeless_verdict_does_not_override_a_draft_measured_faster():
+    rates = StepRates()
+    rates.record(LOCAL, 0.3, 1)
+    rates.record(DRAFT, 0.1, 1)
+    assert rates.choose(draft_available=True, draft_hopeless=True) == DRAFT

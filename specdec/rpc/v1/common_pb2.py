@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/rpc/v1/common.proto\x12\x0especdec.rpc.v1\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"m\n\x0fSessionPosition\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\x05\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10\x63ommitted_digest\x18\x04 \x01(\x06\"o\n\nDraftProbs\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12,\n\x06sparse\x18\x02 \x01(\x0b\x32\x1a.specdec.rpc.v1.SparseRowsH\x00\x12\x13\n\tdense_f32\x18\x03 \x01(\x0cH\x00\x42\n\n\x08\x65ncoding\"5\n\nSparseRows\x12\'\n\x04rows\x18\x01 \x03(\x0b\x32\x19.specdec.rpc.v1.SparseRow\"-\n\tSparseRow\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"7\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"%\n\x0fPrefillResponse\x12\x12\n\ncached_len\x18\x01 \x01(\x05\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"\x97\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x15\n\rmax_positions\x18\x04 \x01(\x05\x12\x46\n\x0ftokenizer_files\x18\x05 \x03(\x0b\x32-.specdec.rpc.v1.ModelInfo.TokenizerFilesEntry\x12\x0f\n\x07methods\x18\x06 \x03(\t\x12\r\n\x05max_k\x18\x07 \x01(\x05\x12\x1b\n\x13\x64rafting_cannot_pay\x18\x08 \x01(\x08\x1a\x35\n\x13TokenizerFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/rpc/v1/common.proto\x12\x0especdec.rpc.v1\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"m\n\x0fSessionPosition\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\x05\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10\x63ommitted_digest\x18\x04 \x01(\x06\"o\n\nDraftProbs\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12,\n\x06sparse\x18\x02 \x01(\x0b\x32\x1a.specdec.rpc.v1.SparseRowsH\x00\x12\x13\n\tdense_f32\x18\x03 \x01(\x0cH\x00\x42\n\n\x08\x65ncoding\"5\n\nSparseRows\x12\'\n\x04rows\x18\x01 \x03(\x0b\x32\x19.specdec.rpc.v1.SparseRow\"-\n\tSparseRow\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"7\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"%\n\x0fPrefillResponse\x12\x12\n\ncached_len\x18\x01 \x01(\x05\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"\x8a\x03\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x15\n\rmax_positions\x18\x04 \x01(\x05\x12\x46\n\x0ftokenizer_files\x18\x05 \x03(\x0b\x32-.specdec.rpc.v1.ModelInfo.TokenizerFilesEntry\x12\x0f\n\x07methods\x18\x06 \x03(\t\x12\r\n\x05max_k\x18\x07 \x01(\x05\x12\x1b\n\x13\x64rafting_cannot_pay\x18\x08 \x01(\x08\x12>\n\x0bverify_cost\x18\t \x03(\x0b\x32).specdec.rpc.v1.ModelInfo.VerifyCostEntry\x1a\x35\n\x13TokenizerFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\x1a\x31\n\x0fVerifyCostEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,6 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MODELINFO_TOKENIZERFILESENTRY']._loaded_options = None
   _globals['_MODELINFO_TOKENIZERFILESENTRY']._serialized_options = b'8\001'
+  _globals['_MODELINFO_VERIFYCOSTENTRY']._loaded_options = None
+  _globals['_MODELINFO_VERIFYCOSTENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=47
   _globals['_SAMPLINGPARAMS']._serialized_end=142
   _globals['_SESSIONPOSITION']._serialized_start=144
@@ -54,7 +56,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=641
   _globals['_INFOREQUEST']._serialized_end=654
   _globals['_MODELINFO']._serialized_start=657
-  _globals['_MODELINFO']._serialized_end=936
-  _globals['_MODELINFO_TOKENIZERFILESENTRY']._serialized_start=883
-  _globals['_MODELINFO_TOKENIZERFILESENTRY']._serialized_end=936
+  _globals['_MODELINFO']._serialized_end=1051
+  _globals['_MODELINFO_TOKENIZERFILESENTRY']._serialized_start=947
+  _globals['_MODELINFO_TOKENIZERFILESENTRY']._serialized_end=1000
+  _globals['_MODELINFO_VERIFYCOSTENTRY']._serialized_start=1002
+  _globals['_MODELINFO_VERIFYCOSTENTRY']._serialized_end=1051
 # @@protoc_insertion_point(module_scope)

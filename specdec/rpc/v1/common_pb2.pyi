@@ -85,7 +85,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "eos_token_ids", "max_positions", "tokenizer_files", "methods", "max_k", "drafting_cannot_pay")
+    __slots__ = ("name", "vocab_size", "eos_token_ids", "max_positions", "tokenizer_files", "methods", "max_k", "drafting_cannot_pay", "verify_cost")
     class TokenizerFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,13 @@ class ModelInfo(_message.Message):
         key: str
         value: bytes
         def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    class VerifyCostEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +108,7 @@ class ModelInfo(_message.Message):
     METHODS_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
     DRAFTING_CANNOT_PAY_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_COST_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -109,4 +117,5 @@ class ModelInfo(_message.Message):
     methods: _containers.RepeatedScalarFieldContainer[str]
     max_k: int
     drafting_cannot_pay: bool
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., methods: _Optional[_Iterable[str]] = ..., max_k: _Optional[int] = ..., drafting_cannot_pay: _Optional[bool] = ...) -> None: ...
+    verify_cost: _containers.ScalarMap[int, float]
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., methods: _Optional[_Iterable[str]] = ..., max_k: _Optional[int] = ..., drafting_cannot_pay: _Optional[bool] = ..., verify_cost: _Optional[_Mapping[int, float]] = ...) -> None: ...
