@@ -127,7 +127,11 @@ class DraftCore:
         return results
 
     def _propose_group(self, jobs: Sequence[_Job], sampling: SamplingParams) -> list[DraftBlock]:
-        """Draft for several sessions in one batched forward."""
+        """Draft for several sessions in one batched forward (on a draft whose caches cannot be
+        stacked, llama.cpp's: each session on its own cache, side by side, run_each)."""
+        if len(jobs) > 1 and not self.draft.stacks_caches:
+            return self.draft.run_each([lambda job=job: self._propose_group([job], sampling)[0] for job in jobs],
+                                       [job.session.rows.cache for job in jobs])
         ks = tuple(j.k + (1 if j.with_guess else 0) for j in jobs)
         generators = None if sampling.greedy else tuple(_draft_generator(sampling, len(j.session.tokens)) for j in jobs)
         ctx = ProposeContext(row_ids=tuple(range(len(jobs))), token_ids=tuple(tuple(j.session.tokens) for j in jobs),

@@ -21,7 +21,10 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=None, help="draft model directory (default: the draft shipped for the embedded target)")
     p.add_argument("--target-backend", default="auto", choices=["auto", "hf", "fast", "llamacpp"],
                    help="how the target service runs its model (its --backend; llamacpp: the GGUF on llama.cpp, "
-                        "no Lookahead, Medusa as a chain); the draft service keeps its draft on torch")
+                        "no Lookahead, Medusa as a chain)")
+    p.add_argument("--draft-backend", default="auto", choices=["auto", "hf", "fast", "llamacpp"],
+                   help="how the draft service runs its draft (auto: torch or llama.cpp, whichever measured the "
+                        "cheaper step here)")
     p.add_argument("--threads", type=int, default=0,
                    help="threads of the target and of the draft service each (0: each model's default, a thread per core)")
     p.add_argument("--prefix-cache-mb", type=int, default=1024,
@@ -59,7 +62,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
                         log_dir=args.log_dir, http_port=None if args.http_port < 0 else args.http_port,
                         extra={"target": ["--backend", args.target_backend, *threads,
                                           "--prefix-cache-mb", str(args.prefix_cache_mb)],
-                               "draft": threads})
+                               "draft": ["--backend", args.draft_backend, *threads]})
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     try:
         print(f"redis        {stack.redis.url}  (pid {stack.redis.proc.pid})")
