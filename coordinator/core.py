@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Optional, 
 from specdec.errors import FailedPrecondition, InvalidRequest, NotFound, Overloaded, SpecdecError, Unavailable
 from specdec.service.metrics import ServiceMetrics
 from specdec.sessions import check_session_id, check_token_ids
-from specdec.costmodel import CostStore, acceptance_can_pay, acceptance_upper_bound
-from specdec.step_choice import ACCEPTANCE_KEY, StepRates
+from specdec.costmodel import CostStore, acceptance_can_pay, acceptance_upper_bound, best_k, verify_cost_at
+from specdec.step_choice import ACCEPTANCE_KEY, DraftCost, StepRates
 from coordinator.affinity import PrefixAffinity
 from coordinator.slots import SessionSlots
 from specdec.stopping import IncrementalText, StopChecker, cut_at_stop_string
@@ -93,6 +93,9 @@ class Update:
     stats: Optional[RunStats] = None
 
 
+K_EVIDENCE = 32  # drafted tokens judged before the cost model chooses a draft step's k
+
+
 class Coordinator:
     def __init__(self, store: SessionStore, draft_pool: ReplicaPool, target_pool: ReplicaPool,
                  settings: CoordinatorSettings = CoordinatorSettings(), metrics: Optional[ServiceMetrics] = None,
@@ -107,6 +110,7 @@ class Coordinator:
         self.runs: dict[str, SessionRun] = {}
         self.background: set[asyncio.Task] = set()  # fire-and-forget calls (cache releases)
         self.step_rates = StepRates()  # auto: drafting or the target alone, by measured cost per token
+        self.draft_costs: dict[str, DraftCost] = {}  # per draft model: its c as the draft steps measure it
         self.affinity = PrefixAffinity()  # which target replica read which prefixes (a new session's home)
         self.slots = SessionSlots(settings.sessions_per_target, lambda: len(self.target_pool.live()),
                                   on_change=self.metrics.sessions_waiting.set)
@@ -226,6 +230,27 @@ class Coordinator:
         got = self.costs.acceptance_counts(info.name, ACCEPTANCE_KEY, rep.model)
         return got is not None and not acceptance_can_pay(info.verify_cost, acceptance_upper_bound(got[1], got[0]))
 
+    def draft_k(self, rep) -> int:
+        """Tokens a draft step drafts when the client left k to the coordinator: the k at which
+        the cost model predicts the highest speedup (costmodel.best_k, at most max_k) from the
+        draft's measured acceptance on this target, its measured c (DraftCost) and the target's
+        verify cost, as `specdec generate`'s k auto weighs them; default_k until all are known
+        (the acceptance from at least K_EVIDENCE judged tokens: a first step's one or two say little)."""
+        info = self._info
+        top = min(self.settings.max_k, (info.max_k if info else 0) or self.settings.max_k)
+        cost = self.draft_costs.get(rep.model) if rep is not None else None
+        got = self.costs.acceptance_counts(info.name, ACCEPTANCE_KEY, rep.model) if info and rep else None
+        if info is None or not info.verify_cost or cost is None or cost.c is None or got is None or got[0] < K_EVIDENCE:
+            return min(self.settings.default_k, top)
+        return best_k(got[1] / got[0], cost.c, info.verify_cost, range(1, top + 1))
+
+    def draft_step_seen(self, rep, k: int, propose_s: float, verify_s: float) -> None:
+        """A typical draft step's Propose and Verify seconds: the draft's c (DraftCost)."""
+        if self._info is None or not self._info.verify_cost:
+            return
+        cost = self.draft_costs.setdefault(rep.model, DraftCost())
+        cost.record(k, propose_s, verify_s, verify_cost_at(self._info.verify_cost, k + 1))
+
     def _keep_acceptance(self, run: SessionRun) -> None:
         """A run's drafted tokens judged and accepted, per draft model, into the cost store."""
         if self._info is None:
@@ -306,9 +331,9 @@ class Coordinator:
         if len(ids) + max_tokens + 1 > info.max_positions:
             raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                                  f"context of {info.max_positions} tokens")
-        k = req.k or self.settings.default_k
+        k = req.k  # 0: the cost model's (draft_k)
         max_k = min(self.settings.max_k, info.max_k or self.settings.max_k)
-        if not 1 <= k <= max_k:
+        if k and not 1 <= k <= max_k:
             raise InvalidRequest(f"k must be in [1, {max_k}], got {k}")
         method = req.method or "auto"
         if method not in self.methods(info):

@@ -80,6 +80,10 @@ class RunHost(Protocol):
 
     def draft_hopeless(self, rep) -> bool: ...
 
+    def draft_k(self, rep) -> int: ...
+
+    def draft_step_seen(self, rep, k: int, propose_s: float, verify_s: float) -> None: ...
+
     async def draft_fits(self, rep) -> bool: ...
 
     def run_ended(self, run: SessionRun) -> None: ...
@@ -123,7 +127,7 @@ class SessionRun:
     sampling: SamplingParams
     stop: StopConditions
     method: str
-    k: int
+    k: int  # drafted tokens a step, as the client asked (0: the cost model's, Coordinator.draft_k)
     checker: StopChecker
     stats: RunStats = field(default_factory=RunStats)
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
@@ -138,6 +142,7 @@ class SessionRun:
     pending: Optional[_Pending] = None
     last_fully_accepted: bool = False  # the last verified block was accepted whole
     draft_refused: bool = False  # the draft refused this session's request: the target continues it alone
+    _step_k: int = 0  # tokens the current draft step drafts (the client's k, or the cost model's)
     _local_steps: int = 0  # Decode calls of this run on the target alone (their chunks grow: _local_chunk)
     streamed: bool = True  # someone may stream it (False: only unary requests have asked for it so far)
     _commit: Optional[asyncio.Future] = None  # the Redis write in flight
@@ -265,10 +270,13 @@ class SessionRun:
     async def _step(self) -> tuple[int, ...]:
         remaining = self.checker.remaining
         if self.method in DRAFT_METHODS:
-            k = min(self.k, remaining - 1)
+            draft = None if self.draft_refused else self.coord.draft_pool.pick(self.session_id)
+            # the client's k, or the cost model's for this draft (a seeded sampled session keeps default_k: its
+            # random draws depend on where the blocks fall, and the cost model's k moves with what it measures)
+            want = self.k or (self.coord.settings.default_k if self._seeded else self.coord.draft_k(draft))
+            k = min(want, remaining - 1)
             if k < 1:  # one token left: a plain step, no draft needed
                 return (await self._verify(DraftBlock((), None, None))).emitted
-            draft = None if self.draft_refused else self.coord.draft_pool.pick(self.session_id)
             rates = self.coord.step_rates
             # auto: drafting or the target alone, whichever has cost less per token (specdec.step_choice);
             # a seeded sampled session always the target alone: its random draws depend on the way
@@ -288,26 +296,40 @@ class SessionRun:
                     rates.skipped(LOCAL, time.perf_counter() - t)
                 return emitted
             if draft is not None:
-                warm = draft.address == self.draft_addr
-                try:
-                    block = await self._propose(draft, k)
-                except DraftOut:
-                    pass
-                else:
-                    t_verify = self._timed("propose", t)
-                    verdict = await self._verify(block)
-                    self._timed("verify", t_verify)
-                    counts = self.draft_judged.setdefault(draft.model, [0, 0])
-                    counts[0] += judged_tokens(verdict.num_drafted, verdict.num_accepted)
-                    counts[1] += verdict.num_accepted
-                    if warm and k == self.k:  # (a short last block, or one that loads the draft: not typical)
-                        rates.record(DRAFT, time.perf_counter() - t, len(verdict.emitted))
-                    else:
-                        rates.skipped(DRAFT, time.perf_counter() - t)
-                    return verdict.emitted
+                emitted = await self._draft_step(draft, k, typical=k == want)
+                if emitted is not None:
+                    return emitted
             return await self._decode("", min(remaining, self.coord.settings.fallback_chunk), fallback=True)
         return await self._decode("" if self.method == "target" else self.method, min(remaining, self._local_chunk()),
                                   fallback=False)
+
+    async def _draft_step(self, draft, k: int, typical: bool) -> Optional[tuple[int, ...]]:
+        """Draft k tokens on `draft` and verify them -> the emitted tokens (None: the draft is out).
+        What it measured goes to the host: the judged and accepted tokens (kept at the run's end),
+        the draft's cost c (a Propose's seconds against the Verify's), and, for auto, the step's
+        seconds a token, unless it was not typical (it loaded the draft, or the answer's end cut k)."""
+        rates = self.coord.step_rates
+        warm = draft.address == self.draft_addr
+        hits = self.stats.pipeline_hits
+        self._step_k = k
+        t = time.perf_counter()
+        try:
+            block = await self._propose(draft, k)
+        except DraftOut:
+            return None
+        t_verify = self._timed("propose", t)
+        verdict = await self._verify(block)
+        done = self._timed("verify", t_verify)
+        counts = self.draft_judged.setdefault(draft.model, [0, 0])
+        counts[0] += judged_tokens(verdict.num_drafted, verdict.num_accepted)
+        counts[1] += verdict.num_accepted
+        if warm and typical:
+            rates.record(DRAFT, done - t, len(verdict.emitted))
+            if self.stats.pipeline_hits == hits:  # (a block drafted ahead cost this step no Propose)
+                self.coord.draft_step_seen(draft, k, t_verify - t, done - t_verify)
+        else:
+            rates.skipped(DRAFT, done - t)
+        return verdict.emitted
 
     def _local_chunk(self) -> int:
         """Tokens for the next Decode on the target alone: 1, 2, 4, ... up to decode_chunk, so the
@@ -466,7 +488,7 @@ class SessionRun:
         if pipeline and block.guess is not None and len(block.token_ids) == k:
             ahead = list(block.token_ids) + [block.guess]
             assumed = committed + ahead
-            next_k = min(self.k, self.checker.remaining - len(ahead) - 1)
+            next_k = min(self._step_k, self.checker.remaining - len(ahead) - 1)
             if next_k >= 1:
                 task = asyncio.get_running_loop().create_task(
                     self._send_propose(rep, assumed, extend_digest(digest, ahead), next_k, True))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 class CoordinatorSettings:
     session_ttl_s: int = 3600
     default_max_tokens: int = 128
-    default_k: int = 4
+    default_k: int = 4  # drafted tokens a step until the cost model has measured the draft (draft_k), unless a client gives k
     max_k: int = 16
     pipeline: bool = False  # draft block i+1 while block i is verified (see specdec/bench/services.py)
     step_streams: bool = True  # Propose / Verify on one stream per session and replica (False: a unary call per step)

@@ -167,3 +167,21 @@ class StepRates:
             self._end_exploration()
             still_slower = self.faster() != way
             self._gap_s = min(2 * self._gap_s, self.max_explore_after_s) if still_slower else self.explore_after_s
+
+
+@dataclass
+class DraftCost:
+    """A draft's cost c as the coordinator's steps measure it, end to end: a Propose's seconds
+    per drafted token (its round trip and the draft's catch-up on the tokens committed since
+    included) over a target step's, which the same step's Verify gives as its seconds over the
+    target's v(k+1). A running mean (weight of the newest step), None until a step is seen."""
+
+    weight: float = 0.25
+    c: Optional[float] = None
+
+    def record(self, k: int, propose_s: float, verify_s: float, v_next: float) -> None:
+        """A step drafted k tokens in propose_s; verifying them (k+1 tokens: v_next single steps) took verify_s."""
+        if k < 1 or propose_s < 0 or verify_s <= 0 or v_next <= 0:
+            return
+        sample = (propose_s / k) / (verify_s / v_next)
+        self.c = sample if self.c is None else (1 - self.weight) * self.c + self.weight * sample

@@ -220,6 +220,40 @@ def test_auto_leaves_a_draft_idle_once_its_measured_acceptance_could_not_pay(red
     assert again[-1] == 0, "a coordinator that knew the draft's acceptance still tried it"
 
 
+@pytest.mark.parametrize("costs", ["gpu-like", "cpu-like"])
+def test_a_draft_step_without_k_drafts_as_many_tokens_as_the_cost_model_predicts_best(redis_url, long_target,
+                                                                                     good_draft, costs):
+    """method "draft" with no k: default_k at first, then the k the cost model picks from the
+    draft's measured acceptance and c and the target's verify cost: long blocks where a forward
+    over many tokens costs about one (a GPU), single tokens where each costs about a step more
+    (llama.cpp on these CPUs). A client's k is kept as given. Outputs are plain's throughout."""
+    from tests.services.stack import slow
+
+    curve = GPU_LIKE_COST if costs == "gpu-like" else PAYS_ONLY_IF_RIGHT
+    prompts = [p for p in PROMPTS for _ in range(2)]
+
+    async def scenario():
+        # a target forward 20 ms slower than the draft's: c small, as a big target's against its draft
+        async with local_stack(redis_url, slow(long_target, 20), good_draft, methods={},
+                               target_costs=FixedCosts(curve)) as st:
+            outs = [await st.client.generate(st.client.request(token_ids=p, max_tokens=40, method="draft"))
+                    for p in prompts]
+            given = await st.client.generate(st.client.request(token_ids=prompts[0], max_tokens=40, method="draft", k=3))
+            return outs, given
+
+    outs, given = run(scenario(), timeout=300)
+    for p, out in zip(prompts, outs):
+        assert_greedy_equal(long_target, p, out.token_ids, plain(long_target, p, 40).token_ids)
+    per_step = [o.stats["drafted"] / o.stats["target_forwards"] for o in outs]
+    assert per_step[0] == pytest.approx(4, abs=0.5), "the first session did not draft default_k"
+    later = sum(o.stats["drafted"] for o in outs[-3:]) / sum(o.stats["target_forwards"] for o in outs[-3:])
+    if costs == "gpu-like":  # a draft right ~90% of the time, forwards almost free: long blocks
+        assert later > 5, per_step
+    else:  # each drafted token costs the target about a step more: one at a time
+        assert later < 2.5, per_step
+    assert given.stats["drafted"] / given.stats["target_forwards"] <= 3
+
+
 def _propose_calls(metrics) -> int:
     """Steps drafted on the draft service so far (the coordinator's propose timings)."""
     return int(next((s.value for s in metrics.step_phase.collect()[0].samples

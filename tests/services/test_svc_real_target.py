@@ -50,13 +50,14 @@ def test_real_target_through_the_services_equals_plain_decoding(redis_url, real)
 
 def test_the_draft_services_default_draft_runs_fast_and_can_batch_sessions():
     """The draft service batches concurrent Propose calls by stacking the sessions' KV caches
-    (specdec.backends.kv_stack); its default draft runs on the fast CPU forward and its caches must stack
-    (a failure there would only show as the coordinator falling back to the target alone)."""
+    (specdec.backends.kv_stack); its default draft on torch runs on the fast CPU forward and its
+    caches must stack (a failure there would only show as the coordinator falling back to the
+    target alone). (`--backend auto` may serve it on llama.cpp instead, where that measured faster.)"""
     from draft_service.models import load_draft
     from specdec.backends.fast import FastLlamaLM
     from specdec.backends.kv_stack import split_cache, stack_caches
 
-    draft = load_draft(None)
+    draft = load_draft(None, backend="fast")
     assert isinstance(draft, FastLlamaLM)
     caches = [draft.new_cache(1), draft.new_cache(1)]
     draft.prefill(caches[0], [[1, 2, 3]])
