@@ -45,6 +45,11 @@ from specdec.prompt_sets import read_prompt_rows
 ROOT = checkout()
 
 PEER = "llama-server"  # what the ratios and text comparisons are against, when it runs
+
+
+def peer_of(names: list[str]) -> str:
+    """The server the ratios and text comparisons are against: llama-server, else the last named."""
+    return PEER if PEER in names else names[-1]
 CATEGORIES = ("chat", "code", "math", "qa", "rag", "summarization", "translation")
 
 
@@ -254,7 +259,7 @@ def report(got: dict, rows: list[dict], names: list[str]) -> dict:
             for n in names:
                 if ttfts[n]:
                     table[cat][f"{n} ttft_s"] = statistics.mean(ttfts[n])
-    peer = PEER if PEER in names else names[-1]
+    peer = peer_of(names)
     equal = {n: sum(got[n][r["id"]][0]["text"] == got[peer][r["id"]][0]["text"] for r in rows)
              for n in names if n != peer}
     return {"per_request_tok_s": table, "texts_equal": equal, "prompts": len(rows), "phases": phases(got, rows, names),
@@ -309,7 +314,7 @@ def print_phases(summary: dict, names: list[str]) -> None:
 
 
 def print_table(summary: dict, names: list[str]) -> None:
-    peer = PEER if PEER in names else names[-1]
+    peer = peer_of(names)
     others = [n for n in names if n != peer]
     cols = names + [f"{n} / {peer}" for n in others]
     print("| tok/s per request | " + " | ".join(cols) + " |")

@@ -17,10 +17,10 @@ import re
 import sys
 
 from specdec.bench import checkout
+from specdec.bench.serve import peer_of
 
 ROOT = checkout()
 RESULTS = ROOT / "bench" / "results-serve"
-PEER = "llama-server"
 SHOWN = {"specdec": "specdec up", "specdec-nocache": "specdec up, prefix cache off",
          "inprocess": "specdec in process (`specdec generate`)", "llama-server": "llama-server"}
 BLOCK = re.compile(r"(<!-- table: (?P<name>[^>]+?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
@@ -65,15 +65,16 @@ def headline(summary: dict) -> str:
 def per_request(summary: dict) -> str:
     """Categories as rows, servers as columns, with each server's ratio to llama-server."""
     table, names = summary["per_request_tok_s"], _ordered(summary)
-    others = [n for n in names if n != PEER] if PEER in names else []
-    lines = ["| tok/s per request | " + " | ".join(names) + "".join(f" | {n} / {PEER}" for n in others) + " |",
+    peer = peer_of(names)
+    others = [n for n in names if n != peer]
+    lines = ["| tok/s per request | " + " | ".join(names) + "".join(f" | {n} / {peer}" for n in others) + " |",
              "|---|" + "---:|" * (len(names) + len(others))]
     for cat, row in table.items():
-        cells = [f"{row[n]:.1f}" for n in names] + [f"{row[n] / row[PEER]:.2f}x" for n in others]
+        cells = [f"{row[n]:.1f}" for n in names] + [f"{row[n] / row[peer]:.2f}x" for n in others]
         lines.append(f"| {cat} | " + " | ".join(cells) + " |")
     equal = summary.get("texts_equal") or {}
     if isinstance(equal, dict):
-        lines += ["", *(f"Texts equal to llama-server's, {n}: {v} of {summary['prompts']}." for n, v in equal.items())]
+        lines += ["", *(f"Texts equal to {peer}'s, {n}: {v} of {summary['prompts']}." for n, v in equal.items())]
     return "\n".join(lines) + "\n"
 
 
