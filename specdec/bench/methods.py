@@ -49,6 +49,7 @@ class BenchConfig:
     # "shipped": the draft shipped for the target (early-exit:4 if none); a model or specdec draft
     # directory; or early-exit:N (the target's first N layers, untrained)
     draft: str = "shipped"
+    eagle: Optional[str] = None  # the EAGLE draft directory for specdec eagle (None: the one shipped for the target)
     prompts: Path = DEV_PROMPTS  # jsonl rows with "id", "category", "turns" (first turn used)
     per_category: int = 5  # prompts per category, a fixed seeded sample; 0 = all of them
     categories: tuple[str, ...] = ()  # () = every category in the file
@@ -326,7 +327,8 @@ def build_context(config: BenchConfig, target: Optional[LoadedModel] = None,
             continue
         ctx.engines[backend] = Engine.from_models(_on_backend(target, backend),
                                                   None if draft is None else _on_backend(draft, backend),
-                                                  EngineConfig(target=config.target, prefix_cache_mb=0))
+                                                  EngineConfig(target=config.target, prefix_cache_mb=0,
+                                                               eagle_dir=config.eagle))
     return ctx
 
 
@@ -359,7 +361,8 @@ def _llamacpp_engine(config: BenchConfig, draft: Optional[LoadedModel]):
         on_cpp = LoadedModel(lm=load_draft(Path(draft.path), target.lm, backend="auto"), tokenizer=target.tokenizer,
                              path=draft.path)
     return Engine.from_models(target, on_cpp,
-                              EngineConfig(target=config.target, backend="llamacpp", prefix_cache_mb=0))
+                              EngineConfig(target=config.target, backend="llamacpp", prefix_cache_mb=0,
+                                           eagle_dir=config.eagle))
 
 
 def _on_backend(loaded: LoadedModel, backend: str) -> LoadedModel:

@@ -168,13 +168,14 @@ def tls_redis(tmp_path):
                              "--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-cert-file", ca.cert,
                              "--tls-auth-clients", "no", "--save", "", "--appendonly", "no", "--dir", str(tmp_path),
                              "--requirepass", ADMIN_PW, "--user", "specdec", "on", f">{USER_PW}", "~specdec:*",
-                             "+@all", "-@dangerous"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            preexec_fn=die_with_parent)
+                             "+@all", "-@dangerous"], stdout=open(tmp_path / "redis.log", "wb"),
+                            stderr=subprocess.STDOUT, preexec_fn=die_with_parent)  # (its log: why it exited)
     client = syncredis.Redis(host="127.0.0.1", port=port, password=ADMIN_PW, ssl=True, ssl_ca_certs=ca.cert,
                              socket_timeout=1)
     try:
         for _ in range(100):
-            assert proc.poll() is None, f"redis-server with TLS exited with code {proc.returncode}"
+            assert proc.poll() is None, (f"redis-server with TLS exited with code {proc.returncode}: "
+                                         f"{(tmp_path / 'redis.log').read_text(errors='replace')[-800:]}")
             try:
                 if client.ping():
                     break
