@@ -142,6 +142,7 @@ def draft_gguf(draft: CausalLM, cache_dir: Path, dtype: str = "f16") -> Path:
     changes speed only). float16 weights: measured on 2-core x86 hosts, a step of the shipped
     3-layer draft took 2.7 ms at f16, 2.9 at Q8_0, 3.3 at Q4_1 (2 threads)."""
     import hashlib
+    import os
 
     from specdec.backends.llamacpp.convert import write_llama_gguf
 
@@ -152,7 +153,7 @@ def draft_gguf(draft: CausalLM, cache_dir: Path, dtype: str = "f16") -> Path:
     path = Path(cache_dir) / f"{draft.name}-{digest.hexdigest()[:16]}-{dtype}.gguf"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # (two services converting at once: each its own)
         write_llama_gguf(draft.model, tmp, dtype=dtype, name=draft.name)
         tmp.replace(path)
     return path
