@@ -72,6 +72,9 @@ def add_train_draft(tsub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens-per-step", type=int, default=d.tokens_per_step, help="answer tokens per optimizer step")
     p.add_argument("--lr", type=float, default=d.lr, help="learning rate (AdamW)")
     p.add_argument("--backend", default="fast", help="target backend for the teacher (default fast)")
+    p.add_argument("--init", default=None, metavar="DIR",
+                   help="start from this draft directory's layers and token subset (retrain a draft on new data; "
+                        "default: copies of the target's --layers)")
     p.set_defaults(func=_cmd_train_draft)
 
 
@@ -97,7 +100,7 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     train_draft(target.lm, data, args.out, args.work or Path("runs/draft"), recipe=recipe,
                 target_name=_target_name(args.target),
                 time_budget_s=None if args.time_budget is None else args.time_budget * 60,
-                max_steps=args.steps, resume=args.resume)
+                max_steps=args.steps, resume=args.resume, init_from=None if args.init is None else Path(args.init))
     return 0
 
 

@@ -18,6 +18,7 @@ Recipe (chosen by measurement, see the README's draft section):
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -101,6 +102,26 @@ def build_teacher_cache(target: CausalLM, seqs: list[dict], cache_path: Path, re
     return [dict(s, **cache[s["index_key"]]) for s in seqs if s["index_key"] in cache]
 
 
+def _init_state(path: Path, target: CausalLM, recipe: DraftRecipe) -> tuple[dict, torch.Tensor]:
+    """A draft directory's own weights (layers, final norm) and token subset, checked against the
+    target and the recipe."""
+    from safetensors.torch import load_file
+
+    from specdec.drafts import is_draft_dir
+
+    path = Path(path)
+    if not is_draft_dir(path):
+        raise ValueError(f"{path} is not a specdec draft directory (draft_vocab.json + draft.safetensors)")
+    info = json.loads((path / "draft_vocab.json").read_text())
+    if info["vocab_size"] != target.vocab_size:
+        raise ValueError(f"draft {path} has a {info['vocab_size']}-token vocabulary, the target {target.vocab_size}")
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    if layers != len(recipe.layers):
+        raise ValueError(f"draft {path} has {layers} layers, the recipe {len(recipe.layers)} (--layers)")
+    state = {k: v.to(target.dtype) for k, v in load_file(str(path / "draft.safetensors")).items()}
+    return state, torch.tensor(info["token_ids"])
+
+
 def prepare(rows: list[dict], recipe: DraftRecipe) -> list[dict]:
     out = []
     for r in rows:
@@ -148,7 +169,11 @@ def _batch_loss(model, head_ids: torch.Tensor, to_subset: torch.Tensor, batch: l
 def train_draft(target: CausalLM, data_dirs: list[Path], out_dir: Path, work_dir: Path, *,
                 recipe: DraftRecipe = DraftRecipe(), target_name: str = "target",
                 time_budget_s: Optional[float] = None, max_steps: Optional[int] = None,
-                resume: bool = False, checkpoint_every_s: float = 300.0) -> TrainState:
+                resume: bool = False, checkpoint_every_s: float = 300.0,
+                init_from: Optional[Path] = None) -> TrainState:
+    """init_from: a draft directory whose layers and token subset the run starts from (a draft
+    retrained on new data; its layer count must be the recipe's), instead of copies of the
+    target's layers and the data's frequent tokens. A checkpoint to resume wins over it."""
     work_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(recipe.seed)
     torch.manual_seed(recipe.seed)
@@ -156,7 +181,8 @@ def train_draft(target: CausalLM, data_dirs: list[Path], out_dir: Path, work_dir
     if not rows:
         raise ValueError(f"no training data in {', '.join(map(str, data_dirs))}")
     seqs = prepare(rows, recipe)
-    head_ids = frequent_tokens(rows, recipe.vocab, target.eos_token_ids)
+    init = _init_state(init_from, target, recipe) if init_from is not None else None
+    head_ids = init[1] if init is not None else frequent_tokens(rows, recipe.vocab, target.eos_token_ids)
     to_subset = torch.full((target.vocab_size,), -1, dtype=torch.long)
     to_subset[head_ids] = torch.arange(len(head_ids))
     seqs = build_teacher_cache(target, seqs, work_dir / "teacher.pt", recipe)
@@ -164,6 +190,8 @@ def train_draft(target: CausalLM, data_dirs: list[Path], out_dir: Path, work_dir
     train = [s for i, s in enumerate(seqs) if i % recipe.heldout_every != 0]
 
     model = build_from_target(target, list(recipe.layers))
+    if init is not None:
+        model.load_state_dict(init[0], strict=False)  # its layers and norm; embeddings and head stay the target's
     model.get_input_embeddings().weight.requires_grad_(False)  # the target's, frozen
     model.get_output_embeddings().weight.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]

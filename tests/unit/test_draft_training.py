@@ -98,3 +98,30 @@ def test_eval_report_measures_a_draft_per_category(tiny_target, tiny_draft):
     hits, accept, n = agreement(tiny_target, tiny_draft, [5, 17, 33, 2], answer)
     assert n == 12 and accept < 12
     assert "| chat | 2 |" in text and "measured, k auto" in text and "1000: 0.250" in text
+
+
+def test_a_draft_retrained_on_new_data_starts_from_its_own_layers_and_token_subset(tiny_target, data_dir, tmp_path):
+    """--init DIR: the run starts from that draft (a draft retrained on other data), not from
+    copies of the target's layers and the new data's frequent tokens; a draft of another shape
+    is refused."""
+    import json
+
+    from safetensors.torch import load_file
+
+    first = tmp_path / "first"
+    train_draft(tiny_target, [data_dir], first, tmp_path / "w1", recipe=RECIPE, max_steps=5, target_name="tiny")
+    again = tmp_path / "again"
+    train_draft(tiny_target, [data_dir], again, tmp_path / "w2", recipe=RECIPE, max_steps=0, target_name="tiny",
+                init_from=first)
+    ids = [json.loads((d / "draft_vocab.json").read_text())["token_ids"] for d in (first, again)]
+    assert ids[0] == ids[1]
+    a, b = load_file(str(first / "draft.safetensors")), load_file(str(again / "draft.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    fresh = tmp_path / "fresh"
+    train_draft(tiny_target, [data_dir], fresh, tmp_path / "w3", recipe=RECIPE, max_steps=0, target_name="tiny")
+    c = load_file(str(fresh / "draft.safetensors"))
+    assert any(not a[k].equal(c[k]) for k in a), "a fresh run started from the trained draft too"
+    with pytest.raises(ValueError, match="layers"):
+        train_draft(tiny_target, [data_dir], tmp_path / "x", tmp_path / "w4", max_steps=0, target_name="tiny",
+                    recipe=DraftRecipe(layers=(0, 1), vocab=48, topk=8, tokens_per_step=256, heldout_every=5),
+                    init_from=first)
