@@ -224,11 +224,8 @@ class Coordinator:
         confidence, that it could not pay even if drafting cost nothing, on the target's measured
         verify cost (costmodel.acceptance_can_pay at acceptance_upper_bound): auto then leaves
         the draft idle (StepRates.choose)."""
-        info = self._info
-        if info is None or not info.verify_cost or not rep.model:
-            return False
-        got = self.costs.acceptance_counts(info.name, ACCEPTANCE_KEY, rep.model)
-        return got is not None and not acceptance_can_pay(info.verify_cost, acceptance_upper_bound(got[1], got[0]))
+        got = self._draft_counts(rep)
+        return got is not None and not acceptance_can_pay(self._info.verify_cost, acceptance_upper_bound(got[1], got[0]))
 
     def draft_k(self, rep) -> int:
         """Tokens a draft step drafts when the client left k to the coordinator: the k at which
@@ -238,11 +235,19 @@ class Coordinator:
         (the acceptance from at least K_EVIDENCE judged tokens: a first step's one or two say little)."""
         info = self._info
         top = min(self.settings.max_k, (info.max_k if info else 0) or self.settings.max_k)
-        cost = self.draft_costs.get(rep.model) if rep is not None else None
-        got = self.costs.acceptance_counts(info.name, ACCEPTANCE_KEY, rep.model) if info and rep else None
-        if info is None or not info.verify_cost or cost is None or cost.c is None or got is None or got[0] < K_EVIDENCE:
+        got = self._draft_counts(rep)
+        cost = self.draft_costs.get(rep.model) if got is not None else None
+        if cost is None or cost.c is None or got[0] < K_EVIDENCE:
             return min(self.settings.default_k, top)
         return best_k(got[1] / got[0], cost.c, info.verify_cost, range(1, top + 1))
+
+    def _draft_counts(self, rep) -> Optional[tuple[float, float]]:
+        """The draft replica's judged and accepted tokens on this target (cost store), or None
+        while unknown, or while the target's verify cost, which they are weighed against, is."""
+        info = self._info
+        if rep is None or not rep.model or info is None or not info.verify_cost:
+            return None
+        return self.costs.acceptance_counts(info.name, ACCEPTANCE_KEY, rep.model)
 
     def draft_step_seen(self, rep, k: int, propose_s: float, verify_s: float) -> None:
         """A typical draft step's Propose and Verify seconds: the draft's c (DraftCost)."""
