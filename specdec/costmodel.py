@@ -20,6 +20,7 @@ upper bound for ranking choices, not a promise.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -298,6 +299,7 @@ def measure_request_seconds(lm, prompt_tokens: int = TYPICAL_PROMPT_TOKENS, new_
     return {"prefill_s": prefill_s, "step_s": step_s, "request_s": prefill_s + new_tokens * step_s}
 
 
+@functools.lru_cache(maxsize=None)  # (read once a process: resolve_method asks per request)
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -308,6 +310,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.lru_cache(maxsize=None)  # (importlib.metadata parses a package's METADATA file each call: ~1 ms)
 def _version(dist: str) -> str:
     try:
         return metadata.version(dist)

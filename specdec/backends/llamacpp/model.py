@@ -302,6 +302,7 @@ class LlamaCppLM:
         eos = {int(lib.llama_vocab_eos(vocab)), int(lib.llama_vocab_eot(vocab))}
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(t for t in eos if t >= 0))
         self._tables: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._file_identity: Optional[dict] = None
         self.contexts = _Contexts(self)
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # run_each's workers
         self._pool_lock = threading.Lock()
@@ -341,7 +342,9 @@ class LlamaCppLM:
         return self._tables
 
     def cost_identity(self) -> dict:
-        return {"impl": type(self).__qualname__, "name": self.name, **gguf_identity(self.path), "threads": self.threads}
+        if self._file_identity is None:  # (the loaded file's: read once, not on every request's method choice)
+            self._file_identity = gguf_identity(self.path)
+        return {"impl": type(self).__qualname__, "name": self.name, **self._file_identity, "threads": self.threads}
 
     def new_cache(self, batch_size: int) -> LlamaCppCache:
         return LlamaCppCache(self, batch_size)
