@@ -182,12 +182,32 @@ def verify_sessions(target: CausalLM, caches: Sequence[KVCache], rows: Sequence[
     if len(caches) == 1:
         return verify_step(target, caches[0], rows, want_hidden, want_features), list(caches)
     if not target.stacks_caches:  # llama.cpp: each session's own context, see run_each
-        steps = [lambda c=c, r=r: verify_step(target, c, [r], want_hidden, want_features)[0]
-                 for c, r in zip(caches, rows)]
-        return target.run_each(steps, caches), list(caches)
+        return _verify_side_by_side(target, caches, rows, want_hidden, want_features), list(caches)
     stacked = stack_caches(caches, target.new_cache)
     outcomes = verify_step(target, stacked, rows, want_hidden, want_features)
     return outcomes, split_cache(stacked, target.new_cache)
+
+
+def _verify_side_by_side(target: CausalLM, caches: Sequence[KVCache], rows: Sequence[RowStep],
+                         want_hidden: bool, want_features: bool) -> list[StepOutcome]:
+    """verify_sessions on a target whose caches are not stacked (llama.cpp): the one-token steps
+    of sessions on its shared context joined into one forward (`join_caches`), every other
+    session's step on its own cache, side by side (`run_each`)."""
+    plain = [i for i, r in enumerate(rows) if not r.proposal.token_ids and r.proposal.aux is None]
+    join = getattr(target, "join_caches", None)
+    view, joined = join([caches[i] for i in plain]) if join is not None else (None, [])
+    joined = [plain[j] for j in joined]
+    alone = [i for i in range(len(rows)) if i not in joined]
+    outcomes: list[Optional[StepOutcome]] = [None] * len(rows)
+    if view is not None:  # first, with every thread: the joined rows' one forward
+        view.set_threads(target.threads)
+        for i, out in zip(joined, verify_step(target, view, [rows[i] for i in joined], want_hidden, want_features)):
+            outcomes[i] = out
+        view.split()
+    steps = [lambda i=i: verify_step(target, caches[i], [rows[i]], want_hidden, want_features)[0] for i in alone]
+    for i, out in zip(alone, target.run_each(steps, [caches[i] for i in alone]) if alone else []):
+        outcomes[i] = out
+    return outcomes
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

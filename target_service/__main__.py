@@ -8,6 +8,9 @@
 --prefix-cache-mb MB  KV of prompts and finished sessions kept for sessions that start the same way
                       (default 1024; 0: off)
 --max-batch N         sessions verified in one forward pass (default 8)
+--join-sessions       on llama.cpp, concurrent sessions' plain steps in one llama_decode on a shared
+                      context (outputs then depend on other sessions' rounding at near-ties; default
+                      off: each session on a context of its own)
 --batch-window-ms MS  how long a Verify waits for others to batch with (default 2)
 --grace-period S      after SIGTERM: health NOT_SERVING, in-flight calls get S seconds (default 5)
 --config FILE         TOML with any of these settings, keys with underscores (max_batch = 8);
@@ -41,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-mb", type=int, default=1024,
                    help="MiB of KV kept for prompts and finished sessions, reused by sessions that start the same "
                         "way (0: off)")
+    p.add_argument("--join-sessions", action="store_true",
+                   help="llama.cpp: concurrent sessions' plain steps in one llama_decode on a shared context (1.5x "
+                        "for sessions of equal lengths in the backend; slower on mixed prompts through the service "
+                        "so far: off by default)")
     add_session_flags(p, max_sessions=64, batch_window_ms=2.0)
     return p
 
@@ -88,7 +95,7 @@ async def serve_target(lm, tokenizer_dir: Optional[str], args: argparse.Namespac
     from target_service.servicer import start_target_server
 
     settings = TargetSettings(max_sessions=args.max_sessions, max_batch=args.max_batch,
-                              prefix_cache_mb=args.prefix_cache_mb,
+                              prefix_cache_mb=args.prefix_cache_mb, join_sessions=args.join_sessions,
                               batch_window_ms=args.batch_window_ms, max_k=args.max_k)
     await asyncio.get_running_loop().run_in_executor(executor, warm_up, lm)  # before it serves
     running = await start_target_server(lm, server_settings(args), settings, tokenizer_dir=tokenizer_dir,

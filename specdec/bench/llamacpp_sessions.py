@@ -1,6 +1,8 @@
 """Aggregate plain-decoding throughput of the target service's core (no wire) at 1 and 8
 concurrent sessions, on one backend and thread count: what the model thread gives concurrent
-sessions (on llama.cpp: sessions side by side, each on its own context: LlamaCppLM.run_each).
+sessions (on llama.cpp: side by side, each on its own context, LlamaCppLM.run_each; and joined,
+their steps in one llama_decode on a shared context, --join-sessions), with short prompts and
+with half of them ~900 tokens long.
 
     python -m specdec.bench.llamacpp_sessions [BACKEND] [THREADS]     # default: llamacpp 1
 """
@@ -41,13 +43,23 @@ async def _tokens_per_s(core: TargetCore, prompts: list[list[int]], n: int) -> f
 async def main(backend: str, threads: int) -> None:
     torch.set_num_threads(threads)
     loaded = load_model(None, backend=backend)
-    core = TargetCore(loaded.lm, TargetSettings(max_sessions=16), methods={})
-    prompts = [format_prompt(loaded.tokenizer, q) for q in QUESTIONS]
-    await _tokens_per_s(core, prompts, 1)  # warm-up
-    before, eight, after = [await _tokens_per_s(core, prompts, n) for n in (1, 8, 1)]
-    one = (before + after) / 2
-    print(f"{backend}, {threads} threads: 1 session {one:.1f} tok/s, 8 sessions {eight:.1f} tok/s aggregate: "
-          f"{eight / one:.2f}x")
+    short = [format_prompt(loaded.tokenizer, q) for q in QUESTIONS]
+    document = " ".join(["The river rises in the hills, runs past the old mill and the town, and reaches the sea."] * 40)
+    mixed = [format_prompt(loaded.tokenizer, f"{document}\n\n{q}") if i % 2 else p
+             for i, (q, p) in enumerate(zip(QUESTIONS, short))]
+    joins = [False, True] if backend == "llamacpp" else [False]
+    for name, prompts in (("short prompts", short), ("half of them ~900 tokens", mixed)):
+        for join in joins:
+            if join or backend == "llamacpp":
+                loaded.lm.share_context(8 if join else 0)
+            core = TargetCore(loaded.lm, TargetSettings(max_sessions=16, join_sessions=join, prefix_cache_mb=0),
+                              methods={})
+            await _tokens_per_s(core, prompts, 1)  # warm-up
+            before, eight, after = [await _tokens_per_s(core, prompts, n) for n in (1, 8, 1)]
+            one = (before + after) / 2
+            print(f"{backend}, {threads} threads, {name}, sessions joined {join}: 1 session {one:.1f} tok/s, "
+                  f"8 sessions {eight:.1f} tok/s aggregate: {eight / one:.2f}x", flush=True)
+            await core.close()
 
 
 if __name__ == "__main__":

@@ -124,3 +124,35 @@ def test_auto_serves_the_draft_on_the_backend_whose_step_measured_cheaper_and_ke
     data = json.loads(kept.read_text())
     kept.write_text(json.dumps({**data, "value": other}))
     assert served(faster_of(good_draft, store())) == other
+
+
+@pytest.mark.parametrize("join", [True, False])
+def test_concurrent_sessions_on_llamacpp_share_one_decode_a_step_and_still_equal_plain(redis_url, long_target,
+                                                                                      tmp_path, join):
+    """With join_sessions on, concurrent sessions' plain steps on a llama.cpp target go
+    into one llama_decode on a shared context; their outputs stay this backend's plain decoding
+    (tie-aware), and the shared context is freed once no session holds it. Off: never joined."""
+    import time
+
+    from target_service.core import TargetSettings
+
+    lm = gguf_copy(long_target, tmp_path / "joined.gguf", context=512)
+    prompts = PROMPTS + [[9, 8, 7, 6], [30, 31, 32, 33, 34, 35]]
+
+    async def scenario():
+        async with local_stack(redis_url, lm, None, target_settings=TargetSettings(join_sessions=join)) as st:
+            return await asyncio.gather(*(st.client.generate(st.client.request(token_ids=p, max_tokens=40,
+                                                                                method="plain")) for p in prompts))
+
+    outs = run(scenario())
+    for p, out in zip(prompts, outs):
+        assert_greedy_equal(lm, p, out.token_ids, plain(lm, p, 40).token_ids)
+    if not join:
+        assert lm.shared is None and lm.joined_decodes == 0
+        return
+    assert lm.joined_decodes > 0, "no two sessions' steps ever went into one llama_decode"
+    assert lm.shared.made >= 1
+    end = time.monotonic() + 15
+    while lm.shared.ctx is not None and time.monotonic() < end:  # freed idle_free_s after its last session
+        time.sleep(0.2)
+    assert lm.shared.ctx is None and lm.shared.in_use == 0

@@ -99,6 +99,34 @@ def test_a_restored_prefix_continues_as_a_fresh_prefill(backends, name):
     assert gap < (0.05 if name == "llamacpp" else 1e-4), gap
 
 
+def test_a_llamacpp_prefix_moves_between_a_context_of_its_own_and_the_shared_one(tiny_target, tmp_path):
+    """A target service's sessions live on contexts of their own or on sequences of the shared
+    context (share_context): a prefix snapshotted on either is restored on the other and
+    continues as a fresh prefill does."""
+    from tests.conftest import gguf_copy
+
+    lm = gguf_copy(tiny_target, tmp_path / "t.gguf", context=256)
+    lm.share_context(4)
+    fresh_logits, fresh = _continue(lm, lm.new_cache(1), PROMPT, 12)
+    own = lm.new_cache(1)  # a lone cache: a context of its own
+    lm.prefill(own, [PROMPT[:40]])
+    slot = lm.new_cache(1)  # made while another is in use: a sequence of the shared context
+    other_slot = lm.new_cache(1)  # (a second one, so the restored-into sequence is not sequence 0)
+    assert own.shared is None and slot.shared is lm.shared and other_slot.shared is lm.shared
+    snapshot, _ = lm.snapshot_prefix(own, 40)
+    lm.restore_prefix(other_slot, snapshot, 32)
+    logits, tokens = _continue(lm, other_slot, PROMPT[32:], 12)
+    assert tokens == fresh and float((logits - fresh_logits).abs().max()) < 0.05
+    back, _ = lm.snapshot_prefix(other_slot, 40)
+    mine = lm.new_cache(1)
+    del own, slot, other_slot
+    assert mine.shared is lm.shared  # (others were in use when it was made)
+    lone = type(mine)(lm, 1)  # a context of its own
+    lm.restore_prefix(lone, back, 40)
+    logits, tokens = _continue(lm, lone, PROMPT[40:], 12)
+    assert tokens == fresh and float((logits - fresh_logits).abs().max()) < 0.05
+
+
 @pytest.mark.parametrize("name", ["hf", "fast", "llamacpp"])
 @pytest.mark.parametrize("method", ["plain", "prompt-lookup"])
 def test_the_engine_reuses_earlier_prompts_and_answers_and_its_output_stays_plain(endless, name, method):
