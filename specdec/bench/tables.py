@@ -22,6 +22,7 @@ from specdec.bench.serve import peer_of
 ROOT = checkout()
 RESULTS = ROOT / "bench" / "results-serve"
 SHOWN = {"specdec": "specdec up", "specdec-nocache": "specdec up, prefix cache off",
+         "specdec-joined": "specdec up --join-sessions",
          "inprocess": "specdec in process (`specdec generate`)", "llama-server": "llama-server"}
 BLOCK = re.compile(r"(<!-- table: (?P<name>[^>]+?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
