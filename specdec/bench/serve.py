@@ -343,6 +343,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompts", type=int, default=2, help="prompts per category (held-out dev set)")
+    p.add_argument("--categories", default=",".join(CATEGORIES), help="comma list of the categories to send")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--concurrency", default="1", help="comma list, e.g. 1,8 (1: the per-request table only)")
@@ -363,7 +364,11 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    rows = [r for cat in CATEGORIES for r in [x for x in read_prompt_rows() if x["category"] == cat][: args.prompts]]
+    unknown = set(args.categories.split(",")) - set(CATEGORIES)
+    if unknown:
+        raise SystemExit(f"--categories: unknown {', '.join(sorted(unknown))} (known: {', '.join(CATEGORIES)})")
+    rows = [r for cat in CATEGORIES if cat in args.categories.split(",")
+            for r in [x for x in read_prompt_rows() if x["category"] == cat][: args.prompts]]
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"specdec-serve-{os.getpid()}"
     (logs / "specdec").mkdir(parents=True, exist_ok=True)
     given = dict(u.split("=", 1) for u in args.url)
