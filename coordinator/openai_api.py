@@ -527,7 +527,10 @@ async def start_http_server(core: Coordinator, host: str, port: int, tls=None, t
     """Serve the app on host:port (0: any free port) in this event loop. `tls`: a
     security.ServerTLS (with a client CA: mutual TLS, as on the gRPC port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (accepted ones
+    # inherit it), and without it Nagle held each response's body behind its headers until the
+    # client's delayed ACK: +40 ms a request (72 ms for a one-token answer, 30 of them ours).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
