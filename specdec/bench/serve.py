@@ -233,6 +233,33 @@ def two_turns(servers: list[Server], rows: list[dict], args) -> dict:
     return out
 
 
+LATENCY_TOKENS = (1, 2, 16, 64)
+
+
+def latency(servers: list[Server], row: dict, args, repeats: int = 9) -> dict:
+    """Per server, the median seconds of a request for 1, 2, 16 and 64 tokens of one prompt (its
+    prompt cached after the first: what is left is a request's fixed cost, the wire and the
+    service's loops, and the cost a token), interleaved across servers; printed with the fixed
+    cost (1 token) and the ms a token from 2 to 64."""
+    models = {s.name: model_name(s) for s in servers}
+    times: dict[str, dict[int, list[float]]] = {s.name: {n: [] for n in LATENCY_TOKENS} for s in servers}
+    for server in servers:
+        request(server, models[server.name], row["turns"][0], 2, args.stream)  # warm-up, and the prompt cached
+    for _ in range(repeats):
+        for n in LATENCY_TOKENS:
+            for server in servers:
+                r = request(server, models[server.name], row["turns"][0], n, args.stream)
+                times[server.name][n].append(r["s"])
+    out = {name: {str(n): statistics.median(ts) for n, ts in per.items()} for name, per in times.items()}
+    print(f"# one {row['category']} prompt ({row['id']}), median of {repeats}, {args.threads} threads")
+    print("| server | " + " | ".join(f"{n} tokens, ms" for n in LATENCY_TOKENS) + " | ms a token (2 to 64) |")
+    print("|---|" + "---:|" * (len(LATENCY_TOKENS) + 1))
+    for name, per in out.items():
+        slope = (per["64"] - per["2"]) / 62 * 1000
+        print(f"| {name} | " + " | ".join(f"{per[str(n)] * 1000:.1f}" for n in LATENCY_TOKENS) + f" | {slope:.2f} |")
+    return out
+
+
 def concurrent_run(server: Server, rows: list[dict], c: int, args) -> dict:
     model = model_name(server)
     work = [row["turns"][0] for row in rows] * max(1, args.rounds)
@@ -353,8 +380,10 @@ def parse_args(argv=None):
                    help="comma list of specdec, specdec-nocache (prefix cache off), specdec-torchdraft (the draft "
                         "service's draft on torch), specdec-joined (--join-sessions), llama-server, inprocess")
     p.add_argument("--specdec-backend", default="auto", help="`specdec up --target-backend` (default auto)")
-    p.add_argument("--workload", choices=["prompts", "two-turn"], default="prompts",
-                   help="prompts: the per-request table; two-turn: second turns of two-turn prompts (ttft)")
+    p.add_argument("--workload", choices=["prompts", "two-turn", "latency"], default="prompts",
+                   help="prompts: the per-request table; two-turn: second turns of two-turn prompts (ttft); "
+                        "latency: one chat prompt again and again for 1, 2, 16 and 64 tokens (a request's fixed "
+                        "cost and its cost a token)")
     p.add_argument("--specdec-method", default=None, help="the `specdec.method` request field (default: auto)")
     p.add_argument("--url", action="append", default=[], metavar="NAME=BASE_URL", help="a server already running")
     p.add_argument("--json", default=None, help="also write the figures here")
@@ -391,6 +420,12 @@ def main(argv=None) -> int:
             servers.append(start_llama_server(binary, args.threads, max(concurrency), args.peer_cache == "on", logs))
     try:
         names = [s.name for s in servers]
+        if args.workload == "latency":
+            result = latency(servers, rows[0], args)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"latency": result, "settings": vars(args), "stamp": stamp()},
+                                                      indent=1))
+            return 0
         if args.workload == "two-turn":
             pairs = [r for r in read_prompt_rows() if len(r.get("turns", ())) >= 2][: 2 * args.prompts]
             result = two_turns([s for s in servers if s.engine is None], pairs, args)

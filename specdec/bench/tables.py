@@ -40,7 +40,8 @@ def _ordered(summary: dict) -> list[str]:
 def stamp_line(summary: dict) -> str:
     s, st = summary.get("settings", {}), summary.get("stamp", {})
     cache = "on" if s.get("peer_cache") == "on" else "off"
-    work = (f"two-turn conversations, {s.get('max_tokens')} tokens a turn" if "two_turn" in summary else
+    work = ("one prompt again and again, 1-64 tokens" if "latency" in summary else
+            f"two-turn conversations, {s.get('max_tokens')} tokens a turn" if "two_turn" in summary else
             f"{summary.get('prompts')} prompts, {s.get('max_tokens')} tokens, {s.get('rounds')} rounds"
             f"{', streaming' if s.get('stream') else ''}")
     backend = f", specdec's target on {s['specdec_backend']}" if s.get("specdec_backend", "auto") != "auto" else ""
@@ -100,7 +101,19 @@ def two_turn(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-VIEWS = {"headline": headline, "per-request": per_request, "phases": phases, "two-turn": two_turn}
+def latency(summary: dict) -> str:
+    """One prompt again and again: a request's median ms by answer length, and the ms a token."""
+    per = summary["latency"]
+    sizes = list(next(iter(per.values())))
+    lines = ["| server | " + " | ".join(f"{n} tokens, ms" for n in sizes) + " | ms a token (2 to 64) |",
+             "|---|" + "---:|" * (len(sizes) + 1)]
+    for n, v in per.items():
+        slope = (v["64"] - v["2"]) / 62 * 1000
+        lines.append(f"| {SHOWN.get(n, n)} | " + " | ".join(f"{v[k] * 1000:.1f}" for k in sizes) + f" | {slope:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+VIEWS = {"headline": headline, "per-request": per_request, "phases": phases, "two-turn": two_turn, "latency": latency}
 
 
 def render(name: str) -> str:
