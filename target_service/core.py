@@ -60,9 +60,9 @@ class TargetSettings:
     prefix_cache_mb: int = 1024
     # On llama.cpp: concurrent sessions on sequences of one shared context, their plain steps in one
     # llama_decode (LlamaCppLM.share_context; outputs then agree with plain decoding up to near-ties
-    # of llama.cpp's batch-size rounding). Off by default: 8 sessions of equal lengths step 1.5x
-    # faster so in the backend alone, but 8 streams of the benchmark's mixed prompts through
-    # `specdec up` measured 81 tok/s joined against 95 side by side (not yet attributed).
+    # of llama.cpp's batch-size rounding). Off by default: 8 short sessions run 1.37x the tokens/s
+    # in the target's core (bench/llamacpp_sessions.py), but through `specdec up` 8 streams gained
+    # nothing yet (92 vs 104 and 83 vs 84 tok/s on mixed prompts, 116 vs 119 on short ones).
     join_sessions: bool = False
 
 
