@@ -191,22 +191,25 @@ def verify_sessions(target: CausalLM, caches: Sequence[KVCache], rows: Sequence[
 def _verify_side_by_side(target: CausalLM, caches: Sequence[KVCache], rows: Sequence[RowStep],
                          want_hidden: bool, want_features: bool) -> list[StepOutcome]:
     """verify_sessions on a target whose caches are not stacked (llama.cpp): the one-token steps
-    of sessions on its shared context joined into one forward (`join_caches`), every other
-    session's step on its own cache, side by side (`run_each`)."""
+    of sessions on one of its shared contexts joined into one forward a context (`join_caches`),
+    those groups and every other session's step on its own cache side by side (`run_each`)."""
     plain = [i for i, r in enumerate(rows) if not r.proposal.token_ids and r.proposal.aux is None]
     join = getattr(target, "join_caches", None)
-    view, joined = join([caches[i] for i in plain]) if join is not None else (None, [])
-    joined = [plain[j] for j in joined]
-    alone = [i for i in range(len(rows)) if i not in joined]
+    groups = [(view, [plain[j] for j in idx]) for view, idx in (join([caches[i] for i in plain]) if join else [])]
+    grouped = {i for _, idx in groups for i in idx}
+    groups += [(caches[i], [i]) for i in range(len(rows)) if i not in grouped]
+
+    def step(cache: KVCache, idx: list[int]) -> list[StepOutcome]:
+        out = verify_step(target, cache, [rows[i] for i in idx], want_hidden, want_features)
+        if len(idx) > 1:
+            cache.split()  # (a joined view: each session's cache takes its row back)
+        return out
+
+    done = target.run_each([lambda c=c, idx=idx: step(c, idx) for c, idx in groups], [c for c, _ in groups])
     outcomes: list[Optional[StepOutcome]] = [None] * len(rows)
-    if view is not None:  # first, with every thread: the joined rows' one forward
-        view.set_threads(target.threads)
-        for i, out in zip(joined, verify_step(target, view, [rows[i] for i in joined], want_hidden, want_features)):
+    for (_, idx), outs in zip(groups, done):
+        for i, out in zip(idx, outs):
             outcomes[i] = out
-        view.split()
-    steps = [lambda i=i: verify_step(target, caches[i], [rows[i]], want_hidden, want_features)[0] for i in alone]
-    for i, out in zip(alone, target.run_each(steps, [caches[i] for i in alone]) if alone else []):
-        outcomes[i] = out
     return outcomes
 
 

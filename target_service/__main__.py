@@ -8,9 +8,9 @@
 --prefix-cache-mb MB  KV of prompts and finished sessions kept for sessions that start the same way
                       (default 1024; 0: off)
 --max-batch N         sessions verified in one forward pass (default 8)
---join-sessions       on llama.cpp, concurrent sessions' plain steps in one llama_decode on a shared
-                      context (outputs then depend on other sessions' rounding at near-ties; default
-                      off: each session on a context of its own)
+--join-sessions       on llama.cpp, concurrent sessions on shared contexts (one a thread), a context's
+                      plain steps in one llama_decode (outputs then depend on other sessions' rounding
+                      at near-ties; default off: each session on a context of its own)
 --batch-window-ms MS  how long a Verify waits for others to batch with (default 2)
 --grace-period S      after SIGTERM: health NOT_SERVING, in-flight calls get S seconds (default 5)
 --config FILE         TOML with any of these settings, keys with underscores (max_batch = 8);
@@ -45,9 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MiB of KV kept for prompts and finished sessions, reused by sessions that start the same "
                         "way (0: off)")
     p.add_argument("--join-sessions", action="store_true",
-                   help="llama.cpp: concurrent sessions' plain steps in one llama_decode on a shared context (1.37x "
-                        "for 8 short sessions in the target's core; no gain through the services yet: off by "
-                        "default)")
+                   help="llama.cpp: concurrent sessions on shared contexts (one a thread), each context's plain "
+                        "steps in one llama_decode (no gain through the services measured yet: off by default)")
     add_session_flags(p, max_sessions=64, batch_window_ms=2.0)
     return p
 

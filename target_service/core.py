@@ -58,11 +58,10 @@ class TargetSettings:
     # The prefix cache's budget (0: off). SmolLM2-135M holds ~23 KB of KV a token on llama.cpp
     # (f16) and ~46 KB on torch (float32): 1 GiB keeps 20-45 thousand tokens of prompts and turns.
     prefix_cache_mb: int = 1024
-    # On llama.cpp: concurrent sessions on sequences of one shared context, their plain steps in one
+    # On llama.cpp: concurrent sessions on sequences of shared contexts, a context's plain steps in one
     # llama_decode (LlamaCppLM.share_context; outputs then agree with plain decoding up to near-ties
-    # of llama.cpp's batch-size rounding). Off by default: 8 short sessions run 1.37x the tokens/s
-    # in the target's core (bench/llamacpp_sessions.py), but through `specdec up` 8 streams gained
-    # nothing yet (92 vs 104 and 83 vs 84 tok/s on mixed prompts, 116 vs 119 on short ones).
+    # of llama.cpp's batch-size rounding). Off by default: through `specdec up` 8 streams gained
+    # nothing yet (bench/results-serve/README.md), whatever the backend alone gains.
     join_sessions: bool = False
 
 

@@ -1,7 +1,7 @@
 """Aggregate plain-decoding throughput of the target service's core (no wire) at 1 and 8
 concurrent sessions, on one backend and thread count: what the model thread gives concurrent
 sessions (on llama.cpp: side by side, each on its own context, LlamaCppLM.run_each; and joined,
-their steps in one llama_decode on a shared context, --join-sessions), with short prompts and
+a context's steps in one llama_decode on shared contexts, --join-sessions), with short prompts and
 with half of them ~900 tokens long.
 
     python -m specdec.bench.llamacpp_sessions [BACKEND] [THREADS]     # default: llamacpp 1

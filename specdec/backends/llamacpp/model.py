@@ -415,7 +415,7 @@ class LlamaCppLM:
         self._tables: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._file_identity: Optional[dict] = None
         self.contexts = _Contexts(self)
-        self.shared: Optional[_SharedContext] = None  # share_context
+        self.shared: list[_SharedContext] = []  # share_context
         self.joined_decodes = 0  # llama_decode calls that fed several sessions' steps (join_caches)
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # run_each's workers
         self._pool_lock = threading.Lock()
@@ -423,8 +423,8 @@ class LlamaCppLM:
     def __del__(self):
         lib = getattr(self, "lib", None)
         if lib is not None and getattr(self, "model_handle", None):
-            if getattr(self, "shared", None) is not None:
-                self.shared.close(self)
+            for shared in getattr(self, "shared", None) or []:
+                shared.close(self)
             if getattr(self, "contexts", None) is not None:
                 self.contexts.close()  # (a cache still alive holds the LM through its pool: none is)
             lib.llama_model_free(self.model_handle)
@@ -463,55 +463,63 @@ class LlamaCppLM:
 
     def new_cache(self, batch_size: int) -> LlamaCppCache:
         """A cache of batch_size rows on a context of its own; with share_context, a batch-1 cache
-        made while another is in use gets a sequence of the shared context instead (while one is
-        free), so concurrent sessions' steps can be joined. A lone session keeps a context of its
-        own: its outputs never depend on other sessions' and no shared context is made for it."""
-        if batch_size == 1 and self.shared is not None and (self.contexts.in_use or self.shared.in_use):
-            seq = self.shared.take()
-            if seq is not None:
-                return LlamaCppCache(self, 1, slot=(self.shared, seq))
+        made while another is in use gets a sequence of a shared context instead (the one with the
+        fewest in use, while one is free), so concurrent sessions' steps can be joined. A lone
+        session keeps a context of its own: its outputs never depend on other sessions' and no
+        shared context is made for it."""
+        if batch_size == 1 and self.shared and (self.contexts.in_use or any(sh.in_use for sh in self.shared)):
+            for shared in sorted(self.shared, key=lambda sh: sh.in_use):
+                seq = shared.take()
+                if seq is not None:
+                    return LlamaCppCache(self, 1, slot=(shared, seq))
         return LlamaCppCache(self, batch_size)
 
     def share_context(self, slots: int, idle_free_s: float = 3.0) -> None:
-        """Let up to `slots` concurrent batch-1 caches share one context (new_cache; slots < 2: none), whose plain
-        steps join_caches turns into one llama_decode: measured here (2 threads, 8 sessions at
-        200 tokens) 4.7 ms a token against 7.3-7.8 for the sessions side by side on contexts of
-        their own (run_each), 9.7 against 11.8 at 900 tokens (equal lengths; rows of other lengths:
-        JOIN_SPAN). Logits then differ from a session's step alone by llama.cpp's batch-size
-        rounding (up to ~0.7 here, as a prefill split in two pieces: ~0.4), so greedy outputs
-        agree with plain decoding up to near-ties. The target service's --join-sessions."""
-        if slots < 2 or self.shared is None or slots > self.shared.slots:
-            if self.shared is not None:
-                if self.shared.in_use:
-                    raise ValueError("caches still hold sequences of the shared context")
-                self.shared.close(self)
-            self.shared = _SharedContext(self, slots, idle_free_s) if slots > 1 else None
+        """Let up to `slots` concurrent batch-1 caches share contexts (new_cache; slots < 2: none):
+        one per thread (at most slots // 2), each decoded on one thread, their groups side by side
+        (run_each), every group's plain steps one llama_decode (join_caches). Measured here
+        (2 threads, 8 sessions of ~150-220 tokens, ms a token): 6.7 for 2 contexts x 4 sessions
+        on a thread each, 8.3 for the 8 side by side on contexts of their own, 5.4 for one
+        context of 8 on both threads; with another process busy on a core, 11.2, 13.2 and
+        18.8-24.8: llama.cpp's threads wait for each other at every operation, so a forward on two
+        threads stalls whenever either is preempted, and one thread a context keeps the gain.
+        Logits then differ from a session's step alone by llama.cpp's batch-size rounding (up to
+        ~0.7 here, as a prefill split in two pieces: ~0.4), so greedy outputs agree with plain
+        decoding up to near-ties. The target service's --join-sessions."""
+        if any(sh.in_use for sh in self.shared):
+            raise ValueError("caches still hold sequences of a shared context")
+        for shared in self.shared:
+            shared.close(self)
+        n = max(1, min(self.threads, slots // 2))
+        self.shared = [_SharedContext(self, -(-slots // n), idle_free_s) for _ in range(n)] if slots > 1 else []
 
-    def join_caches(self, caches: Sequence[LlamaCppCache]) -> tuple[Optional[LlamaCppCache], list[int]]:
-        """(view, idx): one multi-row view of those of the caches that are batch-1 caches on the
-        shared context, settled (row j: caches[idx[j]]'s sequence), whose forwards feed every
-        row's one-token step in one llama_decode; (None, []) for fewer than two. After a step
-        on it, view.split() hands each cache its row's length back."""
-        shared = self.shared
-        idx = [] if shared is None else [i for i, c in enumerate(caches) if c.shared is shared and c.ctx is shared.ctx
-                                         and c.members is None and c.batch_size == 1 and not c.pending[0]]
-        # Each row of a joined forward attends over as many cells as its longest row holds: join
-        # only rows within JOIN_SPAN tokens of the shortest (the longer ones run on their own).
-        if idx:
-            shortest = min(caches[i].length[0] for i in idx)
-            idx = [i for i in idx if caches[i].length[0] <= shortest + JOIN_SPAN]
-        if len(idx) < 2:
-            return None, []
-        caches = [caches[i] for i in idx]
-        view = LlamaCppCache.__new__(LlamaCppCache)
-        view.lib, view.contexts, view.n_seq = self.lib, self.contexts, len(caches)
-        view.shared, view.guard = shared, shared.lock
-        view.ctx, view.batch, view.mem, view.state = shared.ctx, shared.batch, shared.mem, shared.state
-        view.seqs, view.n_stream = [c.seqs[0] for c in caches], shared.slots
-        view.length = [c.length[0] for c in caches]
-        view.pending = [[] for _ in caches]
-        view.members = list(caches)
-        return view, idx
+    def join_caches(self, caches: Sequence[LlamaCppCache]) -> list[tuple[LlamaCppCache, list[int]]]:
+        """[(view, idx)]: per shared context, one multi-row view of those of the caches that are
+        settled batch-1 caches on it (row j: caches[idx[j]]'s sequence), whose forwards feed every
+        row's one-token step in one llama_decode; groups of fewer than two are left out. After a
+        step on a view, view.split() hands each cache its row's length back."""
+        groups = []
+        for shared in self.shared:
+            idx = [i for i, c in enumerate(caches) if c.shared is shared and c.ctx is shared.ctx
+                   and c.members is None and c.batch_size == 1 and not c.pending[0]]
+            # Each row of a joined forward attends over as many cells as its longest row holds:
+            # join only rows within JOIN_SPAN tokens of the shortest (the longer ones run alone).
+            if idx:
+                shortest = min(caches[i].length[0] for i in idx)
+                idx = [i for i in idx if caches[i].length[0] <= shortest + JOIN_SPAN]
+            if len(idx) < 2:
+                continue
+            members = [caches[i] for i in idx]
+            view = LlamaCppCache.__new__(LlamaCppCache)
+            view.lib, view.contexts, view.n_seq = self.lib, self.contexts, len(members)
+            view.shared, view.guard = shared, shared.lock
+            view.ctx, view.batch, view.mem, view.state = shared.ctx, shared.batch, shared.mem, shared.state
+            view.seqs, view.n_stream = [c.seqs[0] for c in members], shared.slots
+            view.length = [c.length[0] for c in members]
+            view.pending = [[] for _ in members]
+            view.members = members
+            groups.append((view, idx))
+        return groups
 
     def snapshot_prefix(self, cache: LlamaCppCache, n: int) -> tuple[object, int]:
         """(row 0's llama.cpp sequence state holding its first n tokens, its bytes): the state of
