@@ -18,6 +18,7 @@ layers are transformers' own, built from the config.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -142,7 +143,6 @@ def draft_gguf(draft: CausalLM, cache_dir: Path, dtype: str = "f16") -> Path:
     changes speed only). float16 weights: measured on 2-core x86 hosts, a step of the shipped
     3-layer draft took 2.7 ms at f16, 2.9 at Q8_0, 3.3 at Q4_1 (2 threads)."""
     import hashlib
-    import os
 
     from specdec.backends.llamacpp.convert import write_llama_gguf
 

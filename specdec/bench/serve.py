@@ -252,12 +252,19 @@ def latency(servers: list[Server], row: dict, args, repeats: int = 9) -> dict:
                 times[server.name][n].append(r["s"])
     out = {name: {str(n): statistics.median(ts) for n, ts in per.items()} for name, per in times.items()}
     print(f"# one {row['category']} prompt ({row['id']}), median of {repeats}, {args.threads} threads")
-    print("| server | " + " | ".join(f"{n} tokens, ms" for n in LATENCY_TOKENS) + " | ms a token (2 to 64) |")
-    print("|---|" + "---:|" * (len(LATENCY_TOKENS) + 1))
-    for name, per in out.items():
-        slope = (per["64"] - per["2"]) / 62 * 1000
-        print(f"| {name} | " + " | ".join(f"{per[str(n)] * 1000:.1f}" for n in LATENCY_TOKENS) + f" | {slope:.2f} |")
+    print(latency_table(out), end="")
     return out
+
+
+def latency_table(per: dict, label=lambda name: name) -> str:
+    """latency()'s medians as a table: ms by answer length, and the ms a token from 2 to 64."""
+    sizes = list(next(iter(per.values())))
+    lines = ["| server | " + " | ".join(f"{n} tokens, ms" for n in sizes) + " | ms a token (2 to 64) |",
+             "|---|" + "---:|" * (len(sizes) + 1)]
+    for name, v in per.items():
+        slope = (v["64"] - v["2"]) / 62 * 1000
+        lines.append(f"| {label(name)} | " + " | ".join(f"{v[k] * 1000:.1f}" for k in sizes) + f" | {slope:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def concurrent_run(server: Server, rows: list[dict], c: int, args) -> dict:
@@ -393,10 +400,11 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    unknown = set(args.categories.split(",")) - set(CATEGORIES)
-    if unknown:
-        raise SystemExit(f"--categories: unknown {', '.join(sorted(unknown))} (known: {', '.join(CATEGORIES)})")
-    rows = [r for cat in CATEGORIES if cat in args.categories.split(",")
+    wanted = set(args.categories.split(","))
+    if wanted - set(CATEGORIES):
+        raise SystemExit(f"--categories: unknown {', '.join(sorted(wanted - set(CATEGORIES)))} "
+                         f"(known: {', '.join(CATEGORIES)})")
+    rows = [r for cat in CATEGORIES if cat in wanted
             for r in [x for x in read_prompt_rows() if x["category"] == cat][: args.prompts]]
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"specdec-serve-{os.getpid()}"
     (logs / "specdec").mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ import re
 import sys
 
 from specdec.bench import checkout
-from specdec.bench.serve import peer_of
+from specdec.bench.serve import latency_table, peer_of
 
 ROOT = checkout()
 RESULTS = ROOT / "bench" / "results-serve"
@@ -103,14 +103,7 @@ def two_turn(summary: dict) -> str:
 
 def latency(summary: dict) -> str:
     """One prompt again and again: a request's median ms by answer length, and the ms a token."""
-    per = summary["latency"]
-    sizes = list(next(iter(per.values())))
-    lines = ["| server | " + " | ".join(f"{n} tokens, ms" for n in sizes) + " | ms a token (2 to 64) |",
-             "|---|" + "---:|" * (len(sizes) + 1)]
-    for n, v in per.items():
-        slope = (v["64"] - v["2"]) / 62 * 1000
-        lines.append(f"| {SHOWN.get(n, n)} | " + " | ".join(f"{v[k] * 1000:.1f}" for k in sizes) + f" | {slope:.2f} |")
-    return "\n".join(lines) + "\n"
+    return latency_table(summary["latency"], lambda n: SHOWN.get(n, n))
 
 
 VIEWS = {"headline": headline, "per-request": per_request, "phases": phases, "two-turn": two_turn, "latency": latency}

@@ -284,6 +284,21 @@ class LlamaCppCache:
                 self.contexts.give(self.n_seq, self.ctx, self.batch)
             self.ctx = None
 
+    @classmethod
+    def joined(cls, members: Sequence["LlamaCppCache"]) -> "LlamaCppCache":
+        """A view whose row j is members[j]'s sequence (batch-1 caches on one shared context);
+        it owns nothing (dropping it gives nothing back)."""
+        shared = members[0].shared
+        view = cls.__new__(cls)
+        view.lib, view.contexts, view.n_seq = members[0].lib, members[0].contexts, len(members)
+        view.shared, view.guard = shared, shared.lock
+        view.ctx, view.batch, view.mem, view.state = shared.ctx, shared.batch, shared.mem, shared.state
+        view.seqs, view.n_stream = [c.seqs[0] for c in members], shared.slots
+        view.length = [c.length[0] for c in members]
+        view.pending = [[] for _ in members]
+        view.members = list(members)
+        return view
+
     def split(self) -> None:
         """A joined view's rows back to the caches it joined (after a step on it)."""
         self.settle()
@@ -509,16 +524,7 @@ class LlamaCppLM:
                 idx = [i for i in idx if caches[i].length[0] <= shortest + JOIN_SPAN]
             if len(idx) < 2:
                 continue
-            members = [caches[i] for i in idx]
-            view = LlamaCppCache.__new__(LlamaCppCache)
-            view.lib, view.contexts, view.n_seq = self.lib, self.contexts, len(members)
-            view.shared, view.guard = shared, shared.lock
-            view.ctx, view.batch, view.mem, view.state = shared.ctx, shared.batch, shared.mem, shared.state
-            view.seqs, view.n_stream = [c.seqs[0] for c in members], shared.slots
-            view.length = [c.length[0] for c in members]
-            view.pending = [[] for _ in members]
-            view.members = members
-            groups.append((view, idx))
+            groups.append((LlamaCppCache.joined([caches[i] for i in idx]), idx))
         return groups
 
     def snapshot_prefix(self, cache: LlamaCppCache, n: int) -> tuple[object, int]:
