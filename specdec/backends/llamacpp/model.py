@@ -539,10 +539,10 @@ class LlamaCppLM:
         lib, seq = self.lib, cache.seqs[0]
         with cache.guard:
             size = lib.llama_state_seq_get_size(cache.ctx, seq)
-            buf = (ctypes.c_uint8 * size)()
-            if lib.llama_state_seq_get_data(cache.ctx, buf, size, seq) != size:
+            data = bytearray(size)  # written in place by llama.cpp: one copy of the KV, none in Python
+            if lib.llama_state_seq_get_data(cache.ctx, (ctypes.c_uint8 * size).from_buffer(data), size, seq) != size:
                 raise ModelLoadError(f"llama.cpp could not copy a sequence's state ({_why()})")
-        payload = seq_state_payload(bytes(buf), cache.n_stream, seq)
+        payload = seq_state_payload(data, cache.n_stream, seq)
         return (payload, cache.length[0]), len(payload)
 
     def restore_prefix(self, cache: LlamaCppCache, snapshot: object, n: int) -> None:
@@ -550,10 +550,10 @@ class LlamaCppLM:
         payload, held = snapshot
         if cache.length[0] or any(cache.pending) or not 1 <= n <= held:
             raise ValueError("restore_prefix needs an empty batch-1 cache and n within the snapshot")
-        data = seq_state_for(payload, cache.n_stream)
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        data = seq_state_for(payload, cache.n_stream)  # (a private context's: the payload itself, not copied)
         with cache.guard:
-            if self.lib.llama_state_seq_set_data(cache.ctx, buf, len(data), cache.seqs[0]) == 0:
+            if self.lib.llama_state_seq_set_data(cache.ctx, (ctypes.c_uint8 * len(data)).from_buffer(data), len(data),
+                                                 cache.seqs[0]) == 0:
                 raise ModelLoadError(f"llama.cpp could not restore a sequence's state ({_why()})")
             if n < held:
                 self.lib.llama_memory_seq_rm(cache.mem, cache.seqs[0], n, -1)
@@ -680,22 +680,36 @@ _U32 = 4
 _HEAD = 2 * _U32  # a sequence state's magic and the id of the sequence it was copied from
 
 
-def seq_state_payload(data: bytes, n_stream: int, stream: int) -> bytes:
+def seq_state_payload(data: bytearray, n_stream: int, stream: int) -> bytearray:
     """A sequence's state as llama_state_seq_get_data writes it on a context of n_stream KV
     streams (this llama.cpp: a u32 magic, the i32 sequence id, a u32 stream count, then per stream
     a u32 cell count and, where non-zero, those cells; only the sequence's own stream holds any)
-    -> the same without the other streams."""
+    -> the same as a context of one stream writes it (data itself when n_stream is 1: a snapshot of
+    a private context is never copied in Python; at ~23 KB of KV a token a long prompt's state
+    is tens of MB)."""
     before, after = _HEAD + _U32 * (1 + stream), _U32 * (n_stream - 1 - stream)
     if (len(data) < before + after + _U32 or int.from_bytes(data[_HEAD:_HEAD + _U32], "little") != n_stream
             or any(data[_HEAD + _U32:before]) or (after and any(data[len(data) - after:]))):
         raise ModelLoadError(f"llama.cpp wrote a sequence state of an unexpected layout ({n_stream} streams expected)")
-    return data[:_HEAD] + data[before:len(data) - after]
+    if n_stream == 1:
+        return data
+    one = bytearray(data[:_HEAD])
+    one += (1).to_bytes(_U32, "little")
+    one += memoryview(data)[before:len(data) - after]
+    return one
 
 
-def seq_state_for(payload: bytes, n_stream: int) -> bytes:
-    """seq_state_payload's part as a sequence state for a context of n_stream streams (the
-    cells go to the stream of the sequence llama_state_seq_set_data is given)."""
-    return payload[:_HEAD] + n_stream.to_bytes(_U32, "little") + payload[_HEAD:] + bytes(_U32 * (n_stream - 1))
+def seq_state_for(payload: bytearray, n_stream: int) -> bytearray:
+    """seq_state_payload's one-stream state as a sequence state for a context of n_stream streams
+    (the cells go to the stream of the sequence llama_state_seq_set_data is given); the payload
+    itself for one stream."""
+    if n_stream == 1:
+        return payload
+    streams = bytearray(payload[:_HEAD])
+    streams += n_stream.to_bytes(_U32, "little")
+    streams += memoryview(payload)[_HEAD + _U32:]
+    streams += bytes(_U32 * (n_stream - 1))
+    return streams
 
 
 def _floats(pointer, n: int) -> torch.Tensor:
