@@ -224,8 +224,8 @@ class SessionRun:
             self.stats.emitted += len(taken)
             self.stats.elapsed_s = time.perf_counter() - t0
             status = "done" if self.verified_all else "running"
-            if self.verified_all:  # the target keeps the session's KV (prefix cache) before the answer is out
-                await self._release_target()
+            if self.verified_all:  # the target keeps the session's KV (prefix cache) for the next turn
+                self._release_target()
             # 4. commit before anyone sees the tokens; a cancellation does not cut a write in half.
             self._commit = asyncio.ensure_future(self._commit_and_tell(
                 taken, status, self.checker.finish_reason or "", self.stats.to_dict()))
@@ -275,8 +275,9 @@ class SessionRun:
             # random draws depend on where the blocks fall, and the cost model's k moves with what it measures)
             want = self.k or (self.coord.settings.default_k if self._seeded else self.coord.draft_k(draft))
             k = min(want, remaining - 1)
-            if k < 1:  # one token left: a plain step, no draft needed
-                return (await self._verify(DraftBlock((), None, None))).emitted
+            if k < 1:  # one token left: a plain step, no draft needed (a unary Decode: a request for one token
+                # opened a step stream for it otherwise, 6 ms of a 30 ms request measured through specdec up)
+                return await self._decode("", 1, fallback=False)
             rates = self.coord.step_rates
             # auto: drafting or the target alone, whichever has cost less per token (specdec.step_choice);
             # a seeded sampled session always the target alone: its random draws depend on the way
@@ -286,17 +287,19 @@ class SessionRun:
             way = (DRAFT if self.method == "draft" else LOCAL if self._seeded or self.coord.drafting_cannot_pay
                    else rates.choose(draft is not None, may_explore=bool(self.generated) or not self.streamed,
                                      draft_hopeless=draft is not None and self.coord.draft_hopeless(draft)))
+            # a step whose call loads the session into the target (its first: _prefill_both) says nothing of a step's cost
+            loads_target = not self.target_known
             t = time.perf_counter()
             if way == LOCAL:
                 chunk = self._local_chunk()
                 emitted = await self._decode("auto", min(remaining, chunk), fallback=draft is None)
-                if draft is not None and chunk == self._full_chunk():  # (short first chunks: not typical)
+                if draft is not None and chunk == self._full_chunk() and not loads_target:  # (nor short first chunks)
                     rates.record(LOCAL, time.perf_counter() - t, len(emitted))
                 elif draft is not None:
                     rates.skipped(LOCAL, time.perf_counter() - t)
                 return emitted
             if draft is not None:
-                emitted = await self._draft_step(draft, k, typical=k == want)
+                emitted = await self._draft_step(draft, k, typical=k == want and not loads_target)
                 if emitted is not None:
                     return emitted
             return await self._decode("", min(remaining, self.coord.settings.fallback_chunk), fallback=True)
@@ -307,7 +310,8 @@ class SessionRun:
         """Draft k tokens on `draft` and verify them -> the emitted tokens (None: the draft is out).
         What it measured goes to the host: the judged and accepted tokens (kept at the run's end),
         the draft's cost c (a Propose's seconds against the Verify's), and, for auto, the step's
-        seconds a token, unless it was not typical (it loaded the draft, or the answer's end cut k)."""
+        seconds a token, unless it was not typical (it loaded the draft or the target, or the answer's
+        end cut k)."""
         rates = self.coord.step_rates
         warm = draft.address == self.draft_addr
         hits = self.stats.pipeline_hits
@@ -350,17 +354,14 @@ class SessionRun:
         """The most tokens one Decode on the target alone takes for this session."""
         return self.coord.settings.unary_chunk if self._unary_chunks else self.coord.settings.decode_chunk
 
-    async def _release_target(self) -> None:
-        """Release the finished session on its target replica now, not after the answer is sent:
-        the target keeps its KV for a conversation's next turn, which may come at once."""
+    def _release_target(self) -> None:
+        """Release the finished session on its target replica as its answer goes out (the target
+        keeps its KV for a conversation's next turn: Coordinator.release_behind)."""
         rep = self.coord.target_pool.replicas.get(self.target_addr) if self.target_addr else None
         self.target_addr = None  # (_release_caches leaves it alone)
         if rep is not None:
             self.coord.affinity.remember(self.tokens, rep.address)  # what its prefix cache now holds
-            try:
-                await rep.client.release(self.session_id)
-            except SpecdecError:
-                pass  # best effort: LRU eviction is the backstop
+            self.coord.release_behind(rep, self.session_id)
 
     def _release_caches(self) -> None:
         """A finished session's KV caches are freed at once (best effort; LRU eviction is the backstop)."""
@@ -379,8 +380,10 @@ class SessionRun:
             task.add_done_callback(self.coord.background.discard)
 
     async def _prefill_both(self) -> None:
-        """Load the session into its draft and target replicas at once (two processes, in parallel).
-        A failure here is not fatal: the first step prefills (or falls back) again."""
+        """Load the session into its draft and target replicas at once (two processes, in parallel);
+        a session that runs on the target alone is loaded by its first step's call instead (which
+        names every committed token: one round trip less). A failure here is not fatal: the first
+        step prefills (or falls back) again."""
         committed = list(self.tokens)
 
         async def draft(rep) -> None:
@@ -398,8 +401,13 @@ class SessionRun:
             except SpecdecError as exc:
                 self._draft_failed(rep, exc)
 
-        async def target(rep) -> None:
+        async def target(rep, beside: bool) -> None:
+            if not beside:  # nothing loads beside it: the first step's call carries the prompt (one round trip less)
+                self.target_addr, self.target_known = rep.address, []
+                self.coord.affinity.remember(committed, rep.address)
+                return
             try:
+                await self.coord.releases_landed(rep.address)  # (what they keep, this prefill may reuse)
                 await rep.client.prefill(self.session_id, committed)
                 self.target_addr, self.target_known = rep.address, committed
                 self.coord.affinity.remember(committed, rep.address)
@@ -411,10 +419,14 @@ class SessionRun:
             # auto loads the draft beside the target only once drafting measured faster (else a step loads it)
             wanted = self.method == "draft" or (self.method in DRAFT_METHODS and not self._seeded
                                                 and self.coord.step_rates.wants_draft())
-            if self.method in DRAFT_METHODS and (rep := self.coord.draft_pool.pick(self.session_id)) is not None:
+            drafting = self.method in DRAFT_METHODS and (rep := self.coord.draft_pool.pick(self.session_id)) is not None
+            if drafting:
                 tg.create_task(draft(rep) if wanted else fits(rep))  # (a misfit is refused at once either way)
+            # The target's first step call loads it where nothing loads beside it and that step's cost is not
+            # measured (auto weighs drafting against the target alone by their steps' seconds a token)
+            local = not drafting or self._seeded or self.coord.drafting_cannot_pay
             if (rep := self._pick_target()) is not None:
-                tg.create_task(target(rep))
+                tg.create_task(target(rep, beside=not local))
 
     # --- draft -----------------------------------------------------------------------------
     def _drop_pending(self) -> None:
@@ -533,10 +545,13 @@ class SessionRun:
             try:
                 if rep.address != self.target_addr:
                     self.target_addr, self.target_known = None, []
+                    await self.coord.releases_landed(rep.address)
                     await client.prefill(self.session_id, committed)
                     self.target_addr, self.target_known = rep.address, list(committed)
                 known = common_prefix_len(self.target_known, committed)
                 self.target_known = self.target_known[:known]
+                if not known:  # the call carries every token: it starts the session there (_prefill_both)
+                    await self.coord.releases_landed(rep.address)
                 result = await call(client, committed, known, digest)
                 self.target_known = committed + list(result.emitted)
                 return result

@@ -28,3 +28,4 @@ class CoordinatorSettings:
     max_active: int = 256  # concurrent runs; more are refused (RESOURCE_EXHAUSTED)
     # Sessions generating at once per live target replica; the other runs wait their turn (coordinator.slots)
     sessions_per_target: int = 8
+    release_wait_s: float = 5.0  # at shutdown: how long the finished sessions' Releases in flight may take to land

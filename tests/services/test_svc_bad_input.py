@@ -63,8 +63,8 @@ def test_draft_and_target_reject_bad_calls_and_unknown_sessions(redis_url, tiny_
             sid = "session-bad-input"
             d, t, pos = await st.raw_session(sid, OK_PROMPT)
             calls = {
-                "unknown session verify": t.Verify(target_pb2.VerifyRequest(
-                    position=convert.position_to_pb("session-unknown", OK_PROMPT, 0)), timeout=10),
+                "unknown session verify": t.Verify(target_pb2.VerifyRequest(  # (it would hold the first 2 tokens)
+                    position=convert.position_to_pb("session-unknown", OK_PROMPT, 2)), timeout=10),
                 "stale digest": t.Verify(target_pb2.VerifyRequest(position=common_pb2.SessionPosition(
                     session_id=sid, committed_len=4, committed_digest=12345)), timeout=10),
                 "draft token out of vocab": t.Verify(target_pb2.VerifyRequest(position=pos, draft_token_ids=[500]),
@@ -86,14 +86,19 @@ def test_draft_and_target_reject_bad_calls_and_unknown_sessions(redis_url, tiny_
                 except grpc.aio.AioRpcError as exc:
                     got[name] = exc.code()
             ok = await t.Verify(target_pb2.VerifyRequest(position=pos, draft_token_ids=[3]), timeout=10)
-            return got, ok
+            # A position that names every committed token starts a session the target does not hold
+            # (the coordinator's first step then needs no Prefill): the same verdict as after a Prefill.
+            fresh = await t.Verify(target_pb2.VerifyRequest(
+                position=convert.position_to_pb("session-fresh", OK_PROMPT, 0), draft_token_ids=[3]), timeout=10)
+            return got, ok, fresh
 
-    got, ok = run(scenario())
+    got, ok, fresh = run(scenario())
     NF, IA = grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT
     assert got == {"unknown session verify": NF, "stale digest": NF, "draft token out of vocab": IA,
                    "too many draft tokens": IA, "unknown decode method": IA, "propose k zero": IA,
                    "propose unknown session": NF, "bad session id": IA}
     assert len(ok.emitted_token_ids) >= 1
+    assert (fresh.num_accepted, list(fresh.emitted_token_ids)) == (ok.num_accepted, list(ok.emitted_token_ids))
 
 
 class _Exploding(draft_pb2_grpc.DraftServiceServicer):
