@@ -43,6 +43,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.errors import (Aborted, FailedPrecondition, InvalidRequest, NotFound, Overloaded, SpecdecError,
@@ -303,25 +304,41 @@ TEXT = _Shape("cmpl-", "text_completion", "text_completion")
 
 # --- the app ---------------------------------------------------------------------------------
 
+class _Guard:
+    """Before the body is read or any route runs, as the gRPC token interceptor does: the token
+    (where one is asked) and the body's declared size. A plain ASGI middleware: Starlette's
+    BaseHTTPMiddleware (`@app.middleware("http")`) pipes every response through a task of its own."""
+
+    def __init__(self, app, token_file=None):
+        self.app, self.token_file = app, token_file
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            refusal = self.refusal(Headers(scope=scope), scope["path"])
+            if refusal is not None:
+                return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def refusal(self, headers: Headers, path: str) -> Optional[JSONResponse]:
+        if self.token_file is not None and path not in OPEN_PATHS:
+            auth = headers.get("authorization", "")
+            token = auth[7:].strip() if auth[:7].lower() == "bearer " else None
+            if not self.token_file.accepts(token):
+                return JSONResponse(error_body(UNAUTHENTICATED, "authentication_error", code="invalid_api_key"),
+                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return JSONResponse(error_body(f"the request body is over {MAX_BODY_BYTES} bytes",
+                                           "invalid_request_error"), status_code=413)
+        return None
+
+
 def build_app(core: Coordinator, token_file=None) -> FastAPI:
     """The FastAPI app over `core`; `token_file`: a security.TokenFile (None: no token asked)."""
     app = FastAPI(title="specdec OpenAI-compatible API", version="1", openapi_url=None,
                   description="OpenAI-compatible completions over specdec's speculative decoding sessions.")
 
-    @app.middleware("http")
-    async def guard(request: HttpRequest, call_next):
-        # Before the body is read or any route runs, as the gRPC token interceptor does.
-        if token_file is not None and request.url.path not in OPEN_PATHS:
-            auth = request.headers.get("authorization", "")
-            token = auth[7:].strip() if auth[:7].lower() == "bearer " else None
-            if not token_file.accepts(token):
-                return JSONResponse(error_body(UNAUTHENTICATED, "authentication_error", code="invalid_api_key"),
-                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return JSONResponse(error_body(f"the request body is over {MAX_BODY_BYTES} bytes",
-                                           "invalid_request_error"), status_code=413)
-        return await call_next(request)
+    app.add_middleware(_Guard, token_file=token_file)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request, exc: RequestValidationError):

@@ -146,6 +146,7 @@ class SessionRun:
     _local_steps: int = 0  # Decode calls of this run on the target alone (their chunks grow: _local_chunk)
     streamed: bool = True  # someone may stream it (False: only unary requests have asked for it so far)
     _commit: Optional[asyncio.Future] = None  # the Redis write in flight
+    created: Optional[asyncio.Future] = None  # the session's first write, in flight beside the first step (or None)
     tokens: list[int] = field(default_factory=list)  # verified tokens: the committed ones + the write in flight
     digests: PrefixDigests = field(default_factory=PrefixDigests)  # of `tokens`, which only grows
     # per draft model: its drafted tokens the target judged, and accepted (the host keeps them at the end)
@@ -244,6 +245,7 @@ class SessionRun:
     async def _commit_and_tell(self, taken: list[int], status: str, finish_reason: str, stats: dict) -> None:
         """Write a step's tokens to Redis, then wake the streams (which read only what is written)."""
         t0 = time.perf_counter()
+        await self._created()
         await self.coord.store.commit(self.rec, taken, status, finish_reason, stats)
         t_notify = self._timed("commit", t0)
         self.coord.metrics.generated_tokens.inc(len(taken))
@@ -251,12 +253,20 @@ class SessionRun:
             self.changed.notify_all()
         self._timed("notify", t_notify)
 
+    async def _created(self) -> None:
+        """The session's record is in Redis (Coordinator._open may write it beside the first step)."""
+        if self.created is not None:
+            if not await self.created:
+                raise Unavailable(f"session {self.session_id} could not be stored: its id exists already")
+            self.created = None
+
     async def _pause(self) -> None:
         """Leave the session resumable: status paused (shielded from the cancellation itself)."""
         try:
             await self._committed()  # let a write in flight land first (or say how it failed)
             if self.finished:
                 return
+            await asyncio.shield(self._created())
             await asyncio.shield(self.coord.store.commit(self.rec, [], "paused", "", self.stats.to_dict()))
         except (SpecdecError, asyncio.CancelledError):
             pass
@@ -419,12 +429,14 @@ class SessionRun:
             # auto loads the draft beside the target only once drafting measured faster (else a step loads it)
             wanted = self.method == "draft" or (self.method in DRAFT_METHODS and not self._seeded
                                                 and self.coord.step_rates.wants_draft())
-            drafting = self.method in DRAFT_METHODS and (rep := self.coord.draft_pool.pick(self.session_id)) is not None
-            if drafting:
-                tg.create_task(draft(rep) if wanted else fits(rep))  # (a misfit is refused at once either way)
-            # The target's first step call loads it where nothing loads beside it and that step's cost is not
-            # measured (auto weighs drafting against the target alone by their steps' seconds a token)
-            local = not drafting or self._seeded or self.coord.drafting_cannot_pay
+            drafter = self.coord.draft_pool.pick(self.session_id) if self.method in DRAFT_METHODS else None
+            if drafter is not None:
+                tg.create_task(draft(drafter) if wanted else fits(drafter))  # (a misfit is refused at once either way)
+            # The target's first step call loads it where nothing loads beside it and auto does not need that
+            # step's cost (it weighs drafting against the target alone by their steps' seconds a token)
+            local = (drafter is None or self._seeded or self.coord.drafting_cannot_pay
+                     or (self.method == "auto" and self.coord.draft_hopeless(drafter)
+                         and self.coord.step_rates.faster() != DRAFT))
             if (rep := self._pick_target()) is not None:
                 tg.create_task(target(rep, beside=not local))
 
