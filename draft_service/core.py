@@ -21,6 +21,7 @@ from specdec.proposers.draft_model import DraftModelProposer, DraftRows
 from specdec.service.batching import MicroBatcher
 from specdec.service.metrics import ServiceMetrics
 from specdec.service.session_table import SessionTable
+from specdec.service.memory import IdleTrim
 from specdec.service.sync import Position, check_position, synced_tokens
 from specdec.sampling import draft_seed, make_generator
 from specdec.sessions import PrefixDigests, check_token_ids, step_seed
@@ -67,7 +68,8 @@ class DraftCore:
         self.settings = settings
         self.metrics = metrics or ServiceMetrics("draft")
         self.sessions: SessionTable[DraftSession] = SessionTable(
-            settings.max_sessions, lambda sid: DraftSession(sid, DraftRows.empty(draft)), self.metrics.sessions)
+            settings.max_sessions, lambda sid: DraftSession(sid, DraftRows.empty(draft)), self.metrics.sessions,
+            on_count=IdleTrim())  # (the heap's free memory back to the system once no session is held)
         self.batcher = MicroBatcher(self._run, max_batch=settings.max_batch, window_s=settings.batch_window_ms / 1000,
                                     max_queue=settings.max_queue, metrics=self.metrics,
                                     expect_company=self.sessions.active_recently)

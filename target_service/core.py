@@ -26,6 +26,7 @@ from specdec.decode import KSchedule, RowProgress
 from specdec.errors import FailedPrecondition, InvalidRequest, NotFound
 from specdec.backends.hf import CausalLM
 from specdec.prefix_cache import PrefixCache, remember, restore_longest
+from specdec.service.memory import IdleTrim
 from specdec.models import user_cost_store
 from specdec.proposers import PROPOSERS, Proposer, ProposerEnv, ProposerFactory, load_proposer
 from specdec.service.batching import MicroBatcher
@@ -140,7 +141,7 @@ class TargetCore:
         self.metrics = metrics or ServiceMetrics("target")
         self.tokenizer_dir = tokenizer_dir
         self.sessions: SessionTable[TargetSession] = SessionTable(settings.max_sessions, TargetSession,
-                                                                  self.metrics.sessions)
+                                                                  self.metrics.sessions, on_count=IdleTrim())
         # Per session id: how often it was (re)built here, kept past its release (the most recent
         # ids only): the one per-session record of rebuilds, which the failover tests check.
         self.prefills: OrderedDict[str, int] = OrderedDict()

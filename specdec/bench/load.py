@@ -107,7 +107,9 @@ async def wait_serving(address: str, timeout: float = 60) -> None:
         await probe.close()
 
 
-async def load(args, address: str, pids: dict[str, int]) -> None:
+async def load(args, address: str, pids: dict[str, int], kept=lambda name: 0.0) -> None:
+    """kept(name): MiB a process keeps by design after the load (the target's prefix cache, up to
+    its budget), allowed above its baseline."""
     from specdec.errors import SpecdecError
     from specdec.rpc.clients import CoordinatorClient
 
@@ -170,10 +172,13 @@ async def load(args, address: str, pids: dict[str, int]) -> None:
           f"({len(ttft)} streams)")
     print(f"inter-token latency: p50 {pct(itl, 50) * 1e3:.2f} ms, p99 {pct(itl, 99) * 1e3:.2f} ms "
           f"({len(itl)} chunks)")
-    print(f"RSS (MiB)      baseline   after load   after {args.settle:g} s settle   within 10%")
+    print(f"RSS (MiB)      baseline   after load   after {args.settle:g} s settle   kept by design   "
+          "within 10% of baseline + kept")
     for name in pids:
-        ok = settled[name] <= base[name] * 1.10
-        print(f"{name:<12} {base[name]:>10.1f} {after[name]:>12.1f} {settled[name]:>21.1f}   {'yes' if ok else 'NO'}")
+        extra = kept(name)
+        ok = settled[name] <= base[name] * 1.10 + extra
+        print(f"{name:<12} {base[name]:>10.1f} {after[name]:>12.1f} {settled[name]:>21.1f} {extra:>16.1f}   "
+              f"{'yes' if ok else 'NO'}")
 
 
 def main() -> int:
@@ -246,10 +251,12 @@ def load_real(args) -> int:
     try:
         asyncio.run(wait_serving(f"127.0.0.1:{ports[0]}", timeout=900))
         pids = {process_name(p): p for p in children(up.pid)}
-        asyncio.run(load(args, f"127.0.0.1:{ports[0]}", pids))
-        held = target_gauge("specdec_prefix_cache_bytes")
-        print(f"the target's prefix cache holds {held / 2**20:.0f} MiB (its budget: `specdec up --prefix-cache-mb`, "
-              "default 1024), part of its RSS by design")
+        def kept(name: str) -> float:  # the KV snapshots the target's prefix cache holds
+            return target_gauge("specdec_prefix_cache_bytes") / 2**20 if name == "target_service" else 0.0
+
+        asyncio.run(load(args, f"127.0.0.1:{ports[0]}", pids, kept))
+        print("kept by design: the KV the target's prefix cache holds (its budget: `specdec up --prefix-cache-mb`, "
+              "default 1024)")
     finally:
         stop_processes([up], 60)
     print(f"(the services' logs: {logs})")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from typing import Callable, Generic, Iterator, TypeVar
+from typing import Callable, Generic, Iterator, Optional, TypeVar
 
 from specdec.errors import NotFound
 
@@ -20,10 +20,12 @@ S = TypeVar("S")
 
 
 class SessionTable(Generic[S]):
-    def __init__(self, max_sessions: int, make: Callable[[str], S], gauge=None, recent_s: float = 2.0):
+    def __init__(self, max_sessions: int, make: Callable[[str], S], gauge=None, recent_s: float = 2.0,
+                 on_count: Optional[Callable[[int], None]] = None):
         self.max_sessions = max_sessions
         self._make = make
         self._gauge = gauge  # a Prometheus gauge set to the number of sessions held, or None
+        self._on_count = on_count  # told the number of sessions held at every change (e.g. memory.IdleTrim)
         self.recent_s = recent_s
         self._sessions: OrderedDict[str, S] = OrderedDict()
         self._last_seen: dict[str, float] = {}
@@ -61,6 +63,8 @@ class SessionTable(Generic[S]):
     def _update_gauge(self) -> None:
         if self._gauge is not None:
             self._gauge.set(len(self._sessions))
+        if self._on_count is not None:
+            self._on_count(len(self._sessions))
 
     def __len__(self) -> int:
         return len(self._sessions)
