@@ -83,7 +83,9 @@ class TargetServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Verify(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Verify and Decode continue a session the target holds; a position that names every committed
+        token (all of them new) starts one it does not hold, as a Prefill would first.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
