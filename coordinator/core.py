@@ -522,6 +522,10 @@ class Coordinator:
         await asyncio.gather(*(r.task for r in list(self.runs.values()) if r.task), return_exceptions=True)
         if self.background:  # the releases in flight land first: the replicas free those sessions' KV now
             await asyncio.wait(list(self.background), timeout=self.settings.release_wait_s)
+        for task in list(self.background):  # what did not land is cancelled while its channel is still open
+            task.cancel()
+        if self.background:
+            await asyncio.wait(list(self.background), timeout=self.settings.release_wait_s)
         await self.draft_pool.close()
         await self.target_pool.close()
         await self.store.close()
