@@ -555,15 +555,16 @@ class SessionRun:
             client: TargetClient = rep.client
             committed, digest = list(self.tokens), self.digests.last()
             try:
+                if rep.address != self.target_addr or not self.target_known:
+                    # a prefill, or a call that carries every token (it starts the session there: _prefill_both),
+                    # may reuse what the Releases in flight there keep
+                    await self.coord.releases_landed(rep.address)
                 if rep.address != self.target_addr:
                     self.target_addr, self.target_known = None, []
-                    await self.coord.releases_landed(rep.address)
                     await client.prefill(self.session_id, committed)
                     self.target_addr, self.target_known = rep.address, list(committed)
                 known = common_prefix_len(self.target_known, committed)
                 self.target_known = self.target_known[:known]
-                if not known:  # the call carries every token: it starts the session there (_prefill_both)
-                    await self.coord.releases_landed(rep.address)
                 result = await call(client, committed, known, digest)
                 self.target_known = committed + list(result.emitted)
                 return result
