@@ -86,7 +86,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     _quiet_model_loading()
     config = EngineConfig(target=args.target, draft=args.draft if args.method == "draft" else None, lookahead=lookahead,
                           backend=args.backend, medusa_heads=args.heads, medusa_tree=args.tree, methods=(args.method,),
-                          eagle_dir=args.eagle, prefix_cache_mb=0)  # one prompt a process: nothing to reuse
+                          eagle_dir=args.eagle, prefix_cache_mb=0,
+                          history_tokens=0)  # one prompt a process: nothing to reuse
     engine = Engine(config, costs=default_cost_store(config, notify=_say))
     method = engine.resolve_method(args.method)
     out = engine.complete(args.prompt, method=method, sampling=sampling, stop=stop, k=k, chat=not args.no_chat,

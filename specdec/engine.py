@@ -13,6 +13,7 @@ from specdec.errors import InvalidRequest
 from specdec.models import (LoadedModel, check_compatible, format_prompt, load_model,
                             user_cost_store)
 from specdec.prefix_cache import PrefixCache
+from specdec.token_history import MAX_DRAFT, HistoryProposer, MatchAcceptance, TokenHistory, drafts_for
 from specdec.proposers import PLAIN, ProposerEnv, ProposerFactory, load_proposer, method_names
 from specdec.proposers.lookahead import LookaheadConfig
 from specdec.stopping import TextStream, cut_at_stop_string
@@ -47,6 +48,9 @@ class EngineConfig:
     # MiB of KV of earlier prompts and answers kept to be reused by later calls that start the same
     # way (a shared system prompt or document, a conversation's next turn; one prompt per call); 0: off
     prefix_cache_mb: int = 256
+    # Tokens of earlier calls' prompts and answers kept for drafts (specdec.token_history): plain
+    # decoding drafts what followed where a prompt's or answer's end matches one of them; 0: off
+    history_tokens: int = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,12 @@ def _prefix_cache(config: EngineConfig) -> Optional[PrefixCache]:
     return PrefixCache(config.prefix_cache_mb << 20) if config.prefix_cache_mb else None
 
 
+def _history(config: EngineConfig) -> Optional[TokenHistory]:
+    if config.history_tokens < 0:
+        raise InvalidRequest(f"history_tokens must be >= 0, got {config.history_tokens}")
+    return TokenHistory(config.history_tokens) if config.history_tokens else None
+
+
 def default_cost_store(config: EngineConfig, refresh: bool = False,
                        notify: Optional[Callable[[str], None]] = None) -> CostStore:
     """The engine's costs, kept in config.cost_cache (default: the user's cache folder)."""
@@ -113,6 +123,7 @@ class Engine:
             self.draft = _load_draft(config.draft, self.target, config)
         self._factories: dict[str, ProposerFactory] = {}
         self.prefix_cache = _prefix_cache(config)
+        self.history, self.history_acceptance = _history(config), MatchAcceptance()
 
     @classmethod
     def from_models(cls, target: LoadedModel, draft: Optional[LoadedModel] = None,
@@ -125,6 +136,7 @@ class Engine:
         engine.draft = draft
         engine._factories = {}
         engine.prefix_cache = _prefix_cache(config)
+        engine.history, engine.history_acceptance = _history(config), MatchAcceptance()
         if draft is not None:
             check_compatible(target, draft)
         return engine
@@ -228,13 +240,30 @@ class Engine:
         detok = self.decode if stop.stop_strings else None
         factory = self.proposer_factory(method)
         if factory is None:
-            return plain_generate(self.target.lm, prompts, sampling, stop, detokenize=detok, on_emit=on_emit,
-                                  prefix_cache=self.prefix_cache)
+            return self._plain(prompts, sampling, stop, detok, on_emit)
         results = speculative_generate(self.target.lm, factory(), prompts, sampling, stop, k=k, detokenize=detok,
                                        on_emit=on_emit, prefix_cache=self.prefix_cache)
         # what `auto` reads next time: this method's acceptance on the prompts users send
         self.costs.add_acceptance(self.target.lm, method, sum(r.stats.drafted for r in results),
                                   sum(r.stats.accepted for r in results), self._proposer_name(method))
+        return results
+
+    def _plain(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, stop: StopConditions,
+               detok, on_emit: Optional[OnEmit]) -> list[GenerationResult]:
+        """Plain decoding; where the engine keeps a history, drafting what earlier calls said after
+        the same tokens (greedy or unseeded sampling: token_history.drafts_for), then keeping this
+        call's prompts and answers in it."""
+        lm = self.target.lm
+        if not self.history or not drafts_for(sampling):  # (None, or nothing kept yet)
+            results = plain_generate(lm, prompts, sampling, stop, detokenize=detok, on_emit=on_emit,
+                                     prefix_cache=self.prefix_cache)
+        else:
+            proposer = HistoryProposer(self.history, self.costs.verify_cost(lm), self.history_acceptance)
+            results = speculative_generate(lm, proposer, prompts, sampling, stop, k=MAX_DRAFT, detokenize=detok,
+                                           on_emit=on_emit, prefix_cache=self.prefix_cache)
+        if self.history is not None:
+            for prompt, result in zip(prompts, results):
+                self.history.add([*prompt, *result.token_ids])
         return results
 
     def complete(self, prompt: str, method: str = "plain", sampling: SamplingParams = SamplingParams(),

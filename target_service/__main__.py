@@ -7,6 +7,8 @@
 --max-sessions N      KV caches kept in memory, least recently used evicted (default 64)
 --prefix-cache-mb MB  KV of prompts and finished sessions kept for sessions that start the same way
                       (default 1024; 0: off)
+--history-tokens N    tokens of finished sessions (prompt and answer) that plain decoding drafts from
+                      where a session's end matches one of them (default 131072; 0: off)
 --max-batch N         sessions verified in one forward pass (default 8)
 --join-sessions       on llama.cpp, concurrent sessions on shared contexts (one a thread), a context's
                       plain steps in one llama_decode (outputs then depend on other sessions' rounding
@@ -44,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-mb", type=int, default=1024,
                    help="MiB of KV kept for prompts and finished sessions, reused by sessions that start the same "
                         "way (0: off)")
+    p.add_argument("--history-tokens", type=int, default=1 << 17,
+                   help="tokens of finished sessions (prompt and answer) kept for drafts: plain decoding drafts what "
+                        "followed where a session's end matches one of them (0: off)")
     p.add_argument("--join-sessions", action="store_true",
                    help="llama.cpp: concurrent sessions on shared contexts (one a thread), each context's plain "
                         "steps in one llama_decode (no gain through the services measured yet: off by default)")
@@ -95,6 +100,7 @@ async def serve_target(lm, tokenizer_dir: Optional[str], args: argparse.Namespac
 
     settings = TargetSettings(max_sessions=args.max_sessions, max_batch=args.max_batch,
                               prefix_cache_mb=args.prefix_cache_mb, join_sessions=args.join_sessions,
+                              history_tokens=args.history_tokens,
                               batch_window_ms=args.batch_window_ms, max_k=args.max_k)
     await asyncio.get_running_loop().run_in_executor(executor, warm_up, lm)  # before it serves
     running = await start_target_server(lm, server_settings(args), settings, tokenizer_dir=tokenizer_dir,
@@ -109,6 +115,8 @@ async def serve_target(lm, tokenizer_dir: Optional[str], args: argparse.Namespac
 async def _serve(args: argparse.Namespace) -> None:
     if args.prefix_cache_mb < 0:  # (before a model loads)
         raise SpecdecError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+    if args.history_tokens < 0:
+        raise SpecdecError(f"--history-tokens must be >= 0, got {args.history_tokens}")
     # One thread loads the model and runs all its work (the batcher's): llama.cpp's OpenMP team
     # belongs to the thread that starts it, and in a process where a second thread also ran one
     # (torch while loading, on the event loop), llama.cpp decoded at 0.45x its speed, measured.

@@ -26,6 +26,7 @@ from specdec.decode import KSchedule, RowProgress
 from specdec.errors import FailedPrecondition, InvalidRequest, NotFound
 from specdec.backends.hf import CausalLM
 from specdec.prefix_cache import PrefixCache, remember, restore_longest
+from specdec.token_history import MAX_DRAFT, HistoryProposer, MatchAcceptance, TokenHistory, drafts_for
 from specdec.service.memory import IdleTrim
 from specdec.models import user_cost_store
 from specdec.proposers import PROPOSERS, Proposer, ProposerEnv, ProposerFactory, load_proposer
@@ -64,6 +65,11 @@ class TargetSettings:
     # of llama.cpp's batch-size rounding). Off by default: through `specdec up` 8 streams gained
     # nothing yet (bench/results-serve/README.md), whatever the backend alone gains.
     join_sessions: bool = False
+    # Drafts from earlier sessions (specdec.token_history): the prompts and answers of recent
+    # sessions, up to this many tokens (~100 bytes each; 0: off). A Decode on the target alone
+    # (plain) drafts what followed where a session's end matches token_history.MIN_MATCH tokens or
+    # more of them: a prompt that comes again, a conversation re-sent with the same tool calls.
+    history_tokens: int = 1 << 17
 
 
 @dataclass
@@ -135,6 +141,11 @@ class TargetCore:
             self.prefix_cache = PrefixCache(settings.prefix_cache_mb << 20, on_change=self._prefix_cache_changed)
             log.info("prefix cache: up to %d MiB of KV, blocks of %d tokens", settings.prefix_cache_mb,
                      self.prefix_cache.block)
+        self.history: Optional[TokenHistory] = None
+        self.history_acceptance = MatchAcceptance()  # (shared by every session's history drafts)
+        if settings.history_tokens > 0:
+            self.history = TokenHistory(settings.history_tokens)
+            log.info("history drafts: the last %d tokens of finished sessions", settings.history_tokens)
         share_context = getattr(target, "share_context", None)
         if settings.join_sessions and share_context is not None:
             share_context(settings.max_batch)
@@ -157,12 +168,19 @@ class TargetCore:
 
     async def release(self, session_id: str) -> bool:
         """Forget a session; its KV is kept in the prefix cache first (a conversation's next turn
-        starts with this one's tokens)."""
-        if self.prefix_cache is not None and session_id in self.sessions:
+        starts with this one's tokens), its tokens in the history (later sessions draft from them)."""
+        if (self.prefix_cache is not None or self.history is not None) and session_id in self.sessions:
             sess = self.sessions.get(session_id)
             async with sess.lock:
-                await self.batcher.run_alone(lambda: self._remember(sess))
+                await self.batcher.run_alone(lambda: self._retire(sess))
         return self.sessions.release(session_id)
+
+    def _retire(self, sess: TargetSession) -> None:
+        if self.prefix_cache is not None:
+            self._remember(sess)
+        if self.history is not None:
+            self.history.add(sess.tokens)
+            self.metrics.history_tokens.set(self.history.tokens)
 
     # --- the prefix cache (model thread) ------------------------------------------------------
     def _reuse_prefix(self, sess: TargetSession, tokens: list[int]) -> list[int]:
@@ -405,11 +423,19 @@ class TargetCore:
             await self.batcher.run_alone(self.local_method)
         method = self.resolve_method(method)
         stop = StopConditions(max_tokens, tuple(int(t) for t in stop_token_ids))
-        progress = RowProgress(StopChecker(stop), KSchedule(k=k))
+        from_history = method == "plain" and bool(self.history) and drafts_for(sampling)  # (kept: some session's)
+        # (a history draft's length is the proposer's: the cost model's for its match, up to this k)
+        progress = RowProgress(StopChecker(stop), KSchedule(k=min(MAX_DRAFT, self.settings.max_k) if from_history
+                                                            else k))
         sess, new = self._named_session(session_id, pos)
         async with sess.lock:
             proposer = None
-            if method != "plain":
+            if from_history:
+                proposer = sess.proposers.get(HistoryProposer.name)
+                if proposer is None:
+                    proposer = sess.proposers[HistoryProposer.name] = HistoryProposer(
+                        self.history, self.verify_cost(), self.history_acceptance)
+            elif method != "plain":
                 proposer = sess.proposers.get(method)
                 if proposer is None:
                     proposer = sess.proposers[method] = await self.batcher.run_alone(self.methods[method])

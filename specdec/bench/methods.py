@@ -327,7 +327,7 @@ def build_context(config: BenchConfig, target: Optional[LoadedModel] = None,
             continue
         ctx.engines[backend] = Engine.from_models(_on_backend(target, backend),
                                                   None if draft is None else _on_backend(draft, backend),
-                                                  EngineConfig(target=config.target, prefix_cache_mb=0,
+                                                  EngineConfig(target=config.target, prefix_cache_mb=0, history_tokens=0,
                                                                eagle_dir=config.eagle))
     return ctx
 
@@ -361,7 +361,7 @@ def _llamacpp_engine(config: BenchConfig, draft: Optional[LoadedModel]):
         on_cpp = LoadedModel(lm=load_draft(Path(draft.path), target.lm, backend="auto"), tokenizer=target.tokenizer,
                              path=draft.path)
     return Engine.from_models(target, on_cpp,
-                              EngineConfig(target=config.target, backend="llamacpp", prefix_cache_mb=0,
+                              EngineConfig(target=config.target, backend="llamacpp", prefix_cache_mb=0, history_tokens=0,
                                            eagle_dir=config.eagle))
 
 

@@ -86,12 +86,15 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> N
 
 
 def start_specdec(threads: int, logs: Path, method: Optional[str], cache: bool = True, backend: str = "auto",
-                  draft_backend: str = "auto", join: bool = False) -> Server:
+                  draft_backend: str = "auto", join: bool = False, history: bool = True) -> Server:
+    """`specdec up`; cache False: neither the prefix cache nor the history drafts (nothing of an
+    earlier session reused, as llama-server with its cache off); history False: no history drafts."""
     ports = [free_port() for _ in range(4)]
     argv = [sys.executable, "-m", "specdec", "up", "--port", str(ports[0]), "--draft-port", str(ports[1]),
             "--target-port", str(ports[2]), "--http-port", str(ports[3]), "--no-metrics", "--threads", str(threads),
             "--log-dir", str(logs / "specdec"), "--target-backend", backend, "--draft-backend", draft_backend,
-            *([] if cache else ["--prefix-cache-mb", "0"]), *(["--join-sessions"] if join else [])]
+            *([] if cache else ["--prefix-cache-mb", "0"]), *([] if cache and history else ["--history-tokens", "0"]),
+            *(["--join-sessions"] if join else [])]
     out = open(logs / "specdec-up.log", "wb")
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent, cwd=ROOT)
     _wait_http(f"http://127.0.0.1:{ports[3]}/health", proc, 900, logs / "specdec-up.log")
@@ -134,7 +137,7 @@ def start_inprocess(threads: int) -> Server:
     from specdec.engine import Engine, EngineConfig
 
     torch.set_num_threads(threads)
-    return Server("inprocess", "", engine=Engine(EngineConfig(prefix_cache_mb=0)))
+    return Server("inprocess", "", engine=Engine(EngineConfig(prefix_cache_mb=0, history_tokens=0)))
 
 
 def request_inprocess(engine, prompt: str, max_tokens: int) -> dict:
@@ -384,7 +387,8 @@ def parse_args(argv=None):
     p.add_argument("--stream", action="store_true", help="stream (and measure time to first token)")
     p.add_argument("--peer-cache", choices=["off", "on"], default="off", help="llama-server's prompt cache")
     p.add_argument("--servers", default="specdec,llama-server",  # also: specdec-nocache, inprocess
-                   help="comma list of specdec, specdec-nocache (prefix cache off), specdec-torchdraft (the draft "
+                   help="comma list of specdec, specdec-nocache (prefix cache and history drafts off), "
+                        "specdec-nohistory (history drafts off), specdec-torchdraft (the draft "
                         "service's draft on torch), specdec-joined (--join-sessions), llama-server, inprocess")
     p.add_argument("--specdec-backend", default="auto", help="`specdec up --target-backend` (default auto)")
     p.add_argument("--workload", choices=["prompts", "two-turn", "latency"], default="prompts",
@@ -411,11 +415,11 @@ def main(argv=None) -> int:
     given = dict(u.split("=", 1) for u in args.url)
     servers = [Server(n, u) for n, u in given.items()]
     for name in [n for n in args.servers.split(",") if n not in given]:
-        if name in ("specdec", "specdec-nocache", "specdec-torchdraft", "specdec-joined"):
+        if name in ("specdec", "specdec-nocache", "specdec-nohistory", "specdec-torchdraft", "specdec-joined"):
             servers.append(start_specdec(args.threads, logs, args.specdec_method, cache=name != "specdec-nocache",
                                          backend=args.specdec_backend,
                                          draft_backend="fast" if name == "specdec-torchdraft" else "auto",
-                                         join=name == "specdec-joined"))
+                                         join=name == "specdec-joined", history=name != "specdec-nohistory"))
             servers[-1].name = name
         elif name == "inprocess":
             servers.append(start_inprocess(args.threads))

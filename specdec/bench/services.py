@@ -411,8 +411,10 @@ class Stack:
         draft = ((*slow, "draft", "--delay-ms", str(a.draft_delay_ms)) if a.draft_delay_ms else ("-m", "draft_service"))
         self._start("draft", "DraftService", *draft, *(["--draft", a.draft] if a.draft else []), *threads,
                     "--backend", a.backend, *a.service_flags.split(), cpus=self.rest)
+        # (no history drafts: every configuration sends the same prompts, and a later one would draft the
+        # answers of an earlier one)
         target = [*(["--target", a.target] if a.target else []), *threads, "--backend", target_backend,
-                  *a.service_flags.split()]
+                  "--history-tokens", "0", *a.service_flags.split()]
         self._start("target", "TargetService", "-m", "target_service", *target, cpus=self.alone)
         if "c_slow" in self.coords:
             self._start("target_slow", "TargetService", *slow, "target", "--delay-ms", str(a.delay_ms), *target,

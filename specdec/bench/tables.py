@@ -21,7 +21,8 @@ from specdec.bench.serve import latency_table, peer_of
 
 ROOT = checkout()
 RESULTS = ROOT / "bench" / "results-serve"
-SHOWN = {"specdec": "specdec up", "specdec-nocache": "specdec up, prefix cache off",
+SHOWN = {"specdec": "specdec up", "specdec-nocache": "specdec up, prefix cache and history drafts off",
+         "specdec-nohistory": "specdec up, history drafts off",
          "specdec-joined": "specdec up --join-sessions",
          "inprocess": "specdec in process (`specdec generate`)", "llama-server": "llama-server"}
 BLOCK = re.compile(r"(<!-- table: (?P<name>[^>]+?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)

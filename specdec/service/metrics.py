@@ -55,6 +55,9 @@ class ServiceMetrics:
                                         registry=r)
         self.prefix_cache_evictions = Counter(f"{PREFIX}_prefix_cache_evictions", "prefix cache entries evicted",
                                               registry=r)
+        # The target's history drafts (specdec.token_history): its drafted and accepted tokens count above.
+        self.history_tokens = Gauge(f"{PREFIX}_history_tokens", "tokens of finished sessions kept for history drafts",
+                                    registry=r)
         # The coordinator's per-step timeline (propose, verify, decode, commit, notify, step, detokenize):
         # where a step's wall time goes, as specdec/bench/services.py --profile prints it.
         self.step_phase = Histogram(f"{PREFIX}_step_phase_seconds", "time per phase of a session step", ["phase"],

@@ -13,6 +13,7 @@ from specdec.decode import speculative_generate
 from specdec.proposers import PROPOSERS
 from specdec.proposers import DraftModelProposer
 from specdec.types import SamplingParams, StopConditions
+from target_service.core import TargetSettings
 from tests.conftest import GPU_LIKE_COST, LLAMACPP_CPU_COST, FixedCosts, assert_greedy_equal, plain
 from tests.services.stack import handled, local_stack, mean_batch_size, run
 
@@ -128,6 +129,9 @@ def test_seeded_sampling_through_the_services_is_reproducible(redis_url, long_ta
     assert a.token_ids != tuple(plain(long_target, PROMPTS[0], 30).token_ids)
 
 
+NO_HISTORY = TargetSettings(history_tokens=0)
+
+
 @pytest.mark.parametrize("slow_way", ["draft", "target"])
 def test_auto_takes_the_way_that_costs_less_per_token_and_equals_plain(redis_url, long_target, good_draft, slow_way):
     """auto measures drafting and the target alone end to end and keeps to the cheaper one; the
@@ -141,7 +145,9 @@ def test_auto_takes_the_way_that_costs_less_per_token_and_equals_plain(redis_url
         # The target alone decodes plainly (no prompt lookup on it): what it costs then depends on the
         # delay alone, not on how well lookup happens to do on the tiny model's repetitive output.
         # (a flat verify cost, as a GPU's: a draft could pay, so auto measures both ways)
-        async with local_stack(redis_url, target, draft, methods={}, target_costs=FixedCosts(GPU_LIKE_COST)) as st:
+        # No history drafts: each prompt comes twice, and the second would draft the first's answer.
+        async with local_stack(redis_url, target, draft, methods={}, target_costs=FixedCosts(GPU_LIKE_COST),
+                               target_settings=NO_HISTORY) as st:
             outs, proposes = [], []
             for p in prompts:  # one after another: each sees what the earlier ones measured
                 outs.append(await st.client.generate(st.client.request(token_ids=p, max_tokens=48, method="auto")))
@@ -166,7 +172,8 @@ def test_auto_never_tries_the_draft_where_the_target_says_none_could_pay(redis_u
     prompts = [p for p in PROMPTS for _ in range(2)]
 
     async def scenario():
-        async with local_stack(redis_url, long_target, good_draft, methods={}, target_costs=FixedCosts(LLAMACPP_CPU_COST)) as st:
+        async with local_stack(redis_url, long_target, good_draft, methods={}, target_costs=FixedCosts(LLAMACPP_CPU_COST),
+                               target_settings=NO_HISTORY) as st:  # (each prompt twice: no history drafts)
             auto = [await st.client.generate(st.client.request(token_ids=p, max_tokens=24, method="auto"))
                     for p in prompts]
             auto_proposes, rates = _propose_calls(st.core.metrics), dict(st.core.step_rates.seconds_per_token)

@@ -92,3 +92,30 @@ def test_the_gguf_target_on_llamacpp_through_the_services_equals_its_plain_decod
         assert_greedy_equal(cpp.lm, prompt, out.token_ids, want.token_ids, 0.05)  # llama.cpp's tie margin
         assert out.text == real.tokenizer.decode(list(out.token_ids), skip_special_tokens=True)
         assert out.stats["fallback_steps"] == 0
+
+
+def test_a_question_asked_again_drafts_its_earlier_answer_on_the_gguf_target_and_equals_plain(redis_url, real):
+    """The embedded GGUF on llama.cpp through the services: the second time a question comes, the
+    target drafts the first answer from its history (blocks of many tokens, which llama.cpp rounds
+    differently from one-token steps); both answers equal llama.cpp's plain decoding, tie-aware.
+    (method plain: what auto runs on llama.cpp on a CPU; here the pinned GPU-like costs would pick
+    prompt lookup, which does not draft from the history.)"""
+    from target_service.__main__ import build_parser, load_target, tokenizer_dir_of
+    from tests.conftest import GPU_LIKE_COST, FixedCosts
+
+    cpp = load_target(build_parser().parse_args(["--backend", "llamacpp"]))
+    question, n, keep = "Write a haiku about the sea.", 48, []
+
+    async def scenario():
+        async with local_stack(redis_url, cpp.lm, None, tokenizer_dir=tokenizer_dir_of(cpp, keep),
+                               target_costs=FixedCosts(GPU_LIKE_COST)) as st:  # (drafts pay: not this host's costs)
+            return [await st.client.generate(st.client.request(chat=[("user", question)], max_tokens=n, method="plain"))
+                    for _ in range(2)]
+
+    first, again = run(scenario(), timeout=300)
+    prompt = format_prompt(real.tokenizer, question)
+    want = plain_generate(cpp.lm, [prompt], stop=StopConditions(max_new_tokens=n, eos_token_ids=cpp.lm.eos_token_ids))[0]
+    for out in (first, again):
+        assert_greedy_equal(cpp.lm, prompt, out.token_ids, want.token_ids, 0.05)  # llama.cpp's tie margin
+    assert first.stats["drafted"] == 0 and again.stats["accepted"] > 0
+    assert again.stats["target_forwards"] < first.stats["target_forwards"]
