@@ -66,7 +66,7 @@ class TargetSettings:
     # nothing yet (bench/results-serve/README.md), whatever the backend alone gains.
     join_sessions: bool = False
     # Drafts from earlier sessions (specdec.token_history): the prompts and answers of recent
-    # sessions, up to this many tokens (~100 bytes each; 0: off). A Decode on the target alone
+    # sessions, up to this many tokens (up to ~250 bytes each; 0: off). A Decode on the target alone
     # (plain) drafts what followed where a session's end matches token_history.MIN_MATCH tokens or
     # more of them: a prompt that comes again, a conversation re-sent with the same tool calls.
     history_tokens: int = 1 << 17
