@@ -163,23 +163,28 @@ class HistoryProposer(Proposer):
     kept sequences, as many tokens as the cost model finds best (costmodel.best_k: a draft that
     costs nothing to make, at the acceptance measured for matches that long, on the target's
     verify cost); nothing where none matches that long or drafting would not pay (the step is
-    then a plain one). A bucket whose drafts do not pay is still tried with one token every
-    `probe_every`-th time it matches, so its figure can recover."""
+    then a plain one, or `fallback`'s at up to `fallback_k` tokens: prompt lookup beside it). A
+    bucket whose drafts do not pay is still tried with one token every `probe_every`-th time it
+    matches, so its figure can recover."""
 
     name = "history"
 
     def __init__(self, history: TokenHistory, verify_cost: dict[int, float], acceptance: MatchAcceptance,
-                 min_match: int = MIN_MATCH, probe_every: int = 16):
+                 min_match: int = MIN_MATCH, probe_every: int = 16, fallback: Optional[Proposer] = None,
+                 fallback_k: int = 0):
         if min_match < history.n:
             raise ValueError(f"min_match must be >= the history's n-gram size {history.n}")
         self.history, self.verify_cost, self.acceptance = history, verify_cost, acceptance
         self.min_match, self.probe_every = min_match, probe_every
-        self._buckets: list[Optional[int]] = []  # per row of the last proposal: its match's bucket
+        self.fallback, self.fallback_k = fallback, fallback_k
+        # per row of the last proposal: its match's bucket (None: no history draft), whether fallback drafted it
+        self._buckets: list[Optional[int]] = []
+        self._fell_back: list[bool] = []
         self._passes = 0
 
     def propose(self, ctx: ProposeContext) -> list[Proposal]:
-        out, self._buckets = [], []
-        for toks, k in zip(ctx.token_ids, ctx.k):
+        out, self._buckets, self._fell_back = [], [], []
+        for row, toks, k in zip(ctx.row_ids, ctx.token_ids, ctx.k):
             match, cont = self.history.continuation(toks, k, self.min_match)
             bucket = self.acceptance.bucket(match) if cont else None
             if cont:
@@ -188,11 +193,20 @@ class HistoryProposer(Proposer):
                     self._passes += 1
                     n = 1 if self._passes % self.probe_every == 0 else 0
                 cont = cont[:n]
-            out.append(Proposal(token_ids=cont))
+            fall_back = not cont and self.fallback is not None and min(k, self.fallback_k) > 0
+            if fall_back:
+                one = ProposeContext(row_ids=(row,), token_ids=(toks,), k=(min(k, self.fallback_k),),
+                                     sampling=ctx.sampling)
+                out.append(self.fallback.propose(one)[0])
+            else:
+                out.append(Proposal(token_ids=cont))
             self._buckets.append(bucket if cont else None)
+            self._fell_back.append(fall_back)
         return out
 
     def observe(self, verdicts: Sequence[Verdict]) -> None:
-        for bucket, v in zip(self._buckets, verdicts):
+        for bucket, fell_back, v in zip(self._buckets, self._fell_back, verdicts):
             if bucket is not None:
                 self.acceptance.record(bucket, v.num_drafted, v.num_accepted)
+            elif fell_back:
+                self.fallback.observe([v])

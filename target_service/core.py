@@ -46,6 +46,9 @@ log = logging.getLogger("target_service")
 FALLBACK_ORDER = ("medusa", "lookahead", "plain")
 # Each session's target-side proposer holds that one session, as its row 0.
 SESSION_ROW = 0
+# The Decode methods history drafts go with (specdec.token_history): plain, and prompt lookup, whose
+# drafts (chains that need no hidden state) stand in where the history has none.
+HISTORY_BESIDE = ("plain", "prompt-lookup")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
 
@@ -423,7 +426,9 @@ class TargetCore:
             await self.batcher.run_alone(self.local_method)
         method = self.resolve_method(method)
         stop = StopConditions(max_tokens, tuple(int(t) for t in stop_token_ids))
-        from_history = method == "plain" and bool(self.history) and drafts_for(sampling)  # (kept: some session's)
+        # History drafts where some session's tokens are kept, on plain decoding and beside prompt lookup
+        # (what auto runs where a forward over a few tokens costs about one: its drafts where none matches)
+        from_history = method in HISTORY_BESIDE and bool(self.history) and drafts_for(sampling)
         # (a history draft's length is the proposer's: the cost model's for its match, up to this k)
         progress = RowProgress(StopChecker(stop), KSchedule(k=min(MAX_DRAFT, self.settings.max_k) if from_history
                                                             else k))
@@ -431,10 +436,12 @@ class TargetCore:
         async with sess.lock:
             proposer = None
             if from_history:
-                proposer = sess.proposers.get(HistoryProposer.name)
+                name = f"{HistoryProposer.name}+{method}"
+                proposer = sess.proposers.get(name)
                 if proposer is None:
-                    proposer = sess.proposers[HistoryProposer.name] = HistoryProposer(
-                        self.history, self.verify_cost(), self.history_acceptance)
+                    beside = None if method == "plain" else await self.batcher.run_alone(self.methods[method])
+                    proposer = sess.proposers[name] = HistoryProposer(
+                        self.history, self.verify_cost(), self.history_acceptance, fallback=beside, fallback_k=k)
             elif method != "plain":
                 proposer = sess.proposers.get(method)
                 if proposer is None:

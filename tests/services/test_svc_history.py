@@ -94,3 +94,28 @@ def test_on_llamacpp_the_history_drafts_and_output_equals_its_plain_decoding(ggu
     assert_greedy_equal(gguf_long_target, PROMPT, _tokens(first), want)
     assert_greedy_equal(gguf_long_target, PROMPT, _tokens(second), want)
     assert sum(r.num_accepted for r in second) > 0
+
+
+def test_beside_prompt_lookup_the_history_drafts_where_it_matches(long_target):
+    """Where auto runs prompt lookup on the target (a forward over a few tokens costs about one),
+    a prompt that comes again still drafts its earlier answer; the output stays plain's."""
+    from specdec.proposers.prompt_lookup import PromptLookupProposer
+
+    async def scenario():
+        core = TargetCore(long_target, TargetSettings(prefix_cache_mb=0), methods={"prompt-lookup": PromptLookupProposer},
+                          costs=FixedCosts(GPU_LIKE_COST))
+        try:
+            out = []
+            for sid in ("first-0001", "again-0002"):
+                pos = Position(len(PROMPT), tuple(PROMPT), token_digest(PROMPT))
+                out.append(await core.decode(sid, pos, N, "prompt-lookup", SamplingParams(), k=2))
+                await core.release(sid)
+            return out
+        finally:
+            await core.close()
+
+    first, again = run(scenario())
+    want = list(plain(long_target, PROMPT, N).token_ids)
+    assert list(first.emitted) == list(again.emitted) == want
+    assert first.num_drafted <= first.target_forwards * 2  # prompt lookup's own: at most its k a step
+    assert again.num_accepted == again.num_drafted and again.num_drafted > again.target_forwards * 2

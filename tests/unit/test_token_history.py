@@ -141,3 +141,37 @@ def test_the_engine_drafts_a_repeated_prompt_from_its_history_and_equals_plain(t
     assert second.stats.accepted == second.stats.drafted > 0
     assert second.stats.target_forwards < first.stats.target_forwards / 2
     assert all(r.stats.drafted == 0 for r in twice(0))  # off
+
+
+class _Recorder:
+    """A stand-in fallback proposer: drafts (7,) * k, records what it was asked and told."""
+
+    name = "recorder"
+    needs_hidden = needs_features = False
+
+    def __init__(self):
+        self.asked, self.told = [], []
+
+    def propose(self, ctx):
+        from specdec.types import Proposal
+
+        self.asked.append((ctx.token_ids, ctx.k))
+        return [Proposal(token_ids=(7,) * k) for k in ctx.k]
+
+    def observe(self, verdicts):
+        self.told.extend(verdicts)
+
+
+def test_where_the_history_has_no_draft_its_fallback_drafts_at_its_own_k():
+    h = TokenHistory(n=2)
+    h.add([1, 2, 3, 4, 5, 6, 7, 8])
+    fallback = _Recorder()
+    proposer = HistoryProposer(h, FLAT, MatchAcceptance(), min_match=3, fallback=fallback, fallback_k=2)
+    matched, unmatched = proposer.propose(_ctx((9, 2, 3, 4), (9, 9, 3, 4), k=6))
+    assert matched.token_ids == (5, 6, 7, 8)  # the history's (all it has after the match)
+    assert unmatched.token_ids == (7, 7) and fallback.asked == [(((9, 9, 3, 4),), (2,))]
+    verdicts = [Verdict(row_id=0, num_drafted=4, num_accepted=4, emitted=(5, 6, 7, 8, 0)),
+                Verdict(row_id=1, num_drafted=2, num_accepted=0, emitted=(1,))]
+    proposer.observe(verdicts)
+    assert fallback.told == verdicts[1:]  # its own rows' verdicts only
+    assert proposer.acceptance.alpha(0) > 0.7  # the history's row counted in the history's figure
