@@ -231,17 +231,24 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def load_committed(target: CausalLM, cache: KVCache, committed: Sequence[int],
-                   cached: Optional[Sequence[int]] = None) -> None:
+                   cached: Optional[Sequence[int]] = None, through_last: bool = False) -> Optional[torch.Tensor]:
     """Make a batch-1 cache hold committed[:-1], keeping what it already holds correctly.
 
     cached: the tokens the cache's valid slots stand for, in order (a session's last committed
     tokens will do: the cache never holds more than those); only their common prefix with
-    `committed` is kept. None: the cache's valid tokens are already a prefix of `committed`."""
+    `committed` is kept. None: the cache's valid tokens are already a prefix of `committed`.
+    through_last: where tokens must be fed, feed the last committed one too -> the logits [vocab]
+    after it (the cache then holds every committed token; the next token comes from these logits
+    with no forward of its own, as plain decoding takes its first token from the prompt's prefill);
+    None where nothing was fed (the cache holds committed[:-1])."""
     have = int(cache.lengths[0])
     if cached is not None:
         have = min(have, common_prefix_len(cached, committed))
     want = len(committed) - 1
     if have != int(cache.lengths[0]) or have > want:
         cache.truncate(torch.tensor([min(have, want)]))
+    if have < want and through_last:
+        return target.prefill(cache, [list(committed[have:])]).logits[0].clone()  # (llama.cpp's buffer is reused)
     if have < want:
         target.prefill(cache, [list(committed[have:want])])
+    return None

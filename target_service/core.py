@@ -34,7 +34,7 @@ from specdec.service.batching import MicroBatcher
 from specdec.service.metrics import ServiceMetrics
 from specdec.service.session_table import SessionTable
 from specdec.service.sync import Position, check_position, synced_tokens
-from specdec.sampling import make_generator
+from specdec.sampling import make_generator, next_token
 from specdec.sessions import PrefixDigests, check_token_ids, step_seed
 from specdec.stopping import StopChecker
 from specdec.types import DecodeResult, DraftKind, Proposal, ProposeContext, SamplingParams, StopConditions, Verdict
@@ -87,6 +87,9 @@ class TargetSession:
     # (a Verify, another method, a resync), so such a proposer reads the whole session again first.
     features: Optional[list[torch.Tensor]] = None
     proposers: dict[str, Proposer] = field(default_factory=dict)  # target-side proposers used by Decode
+    # [vocab] the logits after the last committed token where the cache holds every committed token
+    # (a load fed them all: _load): the next plain step takes its token from them, no forward of its own
+    last_logits: Optional[torch.Tensor] = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -269,7 +272,8 @@ class TargetCore:
         """Make the session hold these committed tokens, keeping what its cache shares with them
         (or, when the prefix cache holds more of them, starting from that)."""
         cached = sess.tokens if self.prefix_cache is None else self._reuse_prefix(sess, tokens)
-        load_committed(self.target, sess.cache, tokens, cached=cached)
+        sess.last_logits = None
+        sess.last_logits = load_committed(self.target, sess.cache, tokens, cached=cached, through_last=True)
         sess.digests.reset(tokens, common_prefix_len(sess.tokens, tokens))
         sess.tokens = list(tokens)
         sess.hidden = sess.features = None
@@ -304,6 +308,9 @@ class TargetCore:
                 ready.append((i, self._row_step(st)))
             except Exception as exc:  # noqa: BLE001 - one bad session must not fail the batch
                 results[i] = exc
+        for i, row in ready:
+            results[i] = self._from_last_logits(steps[i], row)
+        ready = [(i, row) for i, row in ready if results[i] is None]
         if not ready:
             return results
         sessions = [steps[i].session for i, _ in ready]
@@ -319,13 +326,34 @@ class TargetCore:
             sess.cache, sess.hidden = cache, out.hidden
             if sess.features is not None:
                 sess.features.append(out.features)
-            sess.tokens.extend(v.emitted)
-            sess.digests.extend(v.emitted)
-            if steps[i].proposer is not None:
-                steps[i].proposer.observe([v])
-            self.metrics.record_verdict(v.num_drafted, v.num_accepted, len(v.emitted))
-            results[i] = v
+            results[i] = self._took(steps[i], v)
         return results
+
+    def _took(self, st: _Step, v: Verdict) -> Verdict:
+        """A step's verdict into its session (model thread)."""
+        st.session.tokens.extend(v.emitted)
+        st.session.digests.extend(v.emitted)
+        if st.proposer is not None:
+            st.proposer.observe([v])
+        self.metrics.record_verdict(v.num_drafted, v.num_accepted, len(v.emitted))
+        return v
+
+    def _from_last_logits(self, st: _Step, row: RowStep) -> Optional[Verdict]:
+        """A session whose last load fed every committed token (last_logits): a plain step takes its
+        token from those logits, with no forward (the load's was it, counted as this step's); any
+        other step (a draft to verify, states to keep) drops that token from the cache again and
+        feeds it as usual (-> None)."""
+        sess = st.session
+        if sess.last_logits is None:
+            return None
+        logits, sess.last_logits = sess.last_logits, None
+        if row.proposal.token_ids or row.proposal.aux is not None or sess.features is not None:
+            sess.cache.truncate(torch.tensor([len(sess.tokens) - 1]))
+            return None
+        sess.hidden = None  # (the load kept no state: a proposer that reads it waits one plain step)
+        verdict = Verdict(row_id=row.row_id, num_drafted=0, num_accepted=0,
+                          emitted=(next_token(logits, row.sampling, row.generator),))
+        return self._took(st, verdict)
 
     def _row_step(self, st: _Step) -> RowStep:
         """A session's row of the verification forward: the Verify's draft, or its Decode
@@ -357,6 +385,7 @@ class TargetCore:
         when the session got here without them (its prefill, a Verify, another method). Its
         cache is rebuilt from scratch (a prefix-cache hit carries no states)."""
         sess.cache, sess.features, n = self.target.new_cache(1), [], len(sess.tokens) - 1
+        sess.last_logits = None
         if n:
             sess.features.append(self.target.prefill(sess.cache, [sess.tokens[:-1]], all_hidden=True).hidden[0, :n])
 

@@ -205,3 +205,54 @@ def test_the_eagle_method_decodes_on_the_target_service_as_plain(long_target):
     want = list(plain_generate(long_target, [prompt], stop=StopConditions(max_new_tokens=total))[0].token_ids)
     eagle = EagleProposer(build_eagle(long_target, torch.arange(0, 96, 2)))
     assert _eagle_scenario(long_target, eagle, prompt, total) == want
+
+
+class _Counted:
+    """The target, counting its forwards and prefills (each a pass over the model)."""
+
+    def __init__(self, lm):
+        self._lm, self.passes = lm, 0
+
+    def __getattr__(self, name):
+        return getattr(self._lm, name)
+
+    def forward(self, *args, **kwargs):
+        self.passes += 1
+        return self._lm.forward(*args, **kwargs)
+
+    def prefill(self, *args, **kwargs):
+        self.passes += 1
+        return self._lm.prefill(*args, **kwargs)
+
+
+def test_a_new_session_takes_its_first_token_from_its_load_with_no_forward_of_its_own(long_target):
+    """A session's load feeds every committed token and keeps the logits after the last: its first
+    plain token needs no forward (the first token of a request costs one pass, as plain decoding's
+    does); a draft to verify next drops that token from the cache and feeds it with the draft.
+    Outputs are plain decoding's either way."""
+    from specdec.decode import plain_generate
+    from specdec.types import StopConditions
+
+    prompt = PROMPTS[0]
+    target = _Counted(long_target)
+    want = list(plain_generate(long_target, [prompt], stop=StopConditions(max_new_tokens=6))[0].token_ids)
+
+    async def scenario():
+        core = TargetCore(target, TargetSettings(prefix_cache_mb=0, history_tokens=0), methods={})
+        try:
+            first = await core.decode("plain-0001", Position(len(prompt), tuple(prompt), token_digest(prompt)), 1,
+                                      "plain", SamplingParams())
+            passes_first = target.passes
+            rest = await core.decode("plain-0001", Position(len(prompt) + 1, (), token_digest(prompt + list(first.emitted))),
+                                     5, "plain", SamplingParams())
+            await core.prefill("draft-0002", prompt)  # then a Verify with a draft: the token is fed again with it
+            v = await core.verify("draft-0002", Position(len(prompt), (), token_digest(prompt)), want[:3], None,
+                                  SamplingParams(), None)
+            return first, passes_first, rest, v
+        finally:
+            await core.close()
+
+    first, passes_first, rest, v = run(scenario())
+    assert passes_first == 1  # the load's prefill, nothing else
+    assert list(first.emitted) + list(rest.emitted) == want
+    assert v.num_accepted == 3 and list(v.emitted) == want[:4]
