@@ -2,7 +2,8 @@
 concurrent sessions batched into one forward (specdec.verify), and target-side Decode with
 the registered proposers (plain, and Medusa / Lookahead / prompt lookup when available).
 
-Each session keeps the committed tokens it last saw and a cache holding all but the last one.
+Each session keeps the committed tokens it last saw and a cache holding all but the last one
+(right after a load, all of them and the logits after the last, whence its next plain token).
 Every request names its position (committed length + digest, plus the newest tokens); a
 session that is missing, evicted or stale is refused with NotFound and the caller prefills it
 again from its own copy of the tokens (Redis). A request behind the session (it applied a call
