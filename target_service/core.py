@@ -273,7 +273,7 @@ class TargetCore:
         """Make the session hold these committed tokens, keeping what its cache shares with them
         (or, when the prefix cache holds more of them, starting from that)."""
         cached = sess.tokens if self.prefix_cache is None else self._reuse_prefix(sess, tokens)
-        sess.last_logits = None
+        sess.last_logits = None  # (a load that fails leaves none)
         sess.last_logits = load_committed(self.target, sess.cache, tokens, cached=cached, through_last=True)
         sess.digests.reset(tokens, common_prefix_len(sess.tokens, tokens))
         sess.tokens = list(tokens)
