@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 from specdec.costmodel import best_k
 from specdec.proposers.base import Proposer
+from specdec.step_choice import judged_tokens
 from specdec.types import Proposal, ProposeContext, SamplingParams, Verdict
 
 # The fewest tokens of a row's end that must match an earlier sequence for a draft; the
@@ -152,7 +153,7 @@ class MatchAcceptance:
     def record(self, bucket: int, drafted: int, accepted: int) -> None:
         counts = self._counts[bucket]
         counts[0] += accepted
-        counts[1] += accepted + (1 if accepted < drafted else 0)
+        counts[1] += judged_tokens(drafted, accepted)
         if counts[1] > self.window:
             counts[0] /= 2
             counts[1] /= 2

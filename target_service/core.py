@@ -465,17 +465,16 @@ class TargetCore:
         sess, new = self._named_session(session_id, pos)
         async with sess.lock:
             proposer = None
-            if from_history:
-                name = f"{HistoryProposer.name}+{method}"
-                proposer = sess.proposers.get(name)
-                if proposer is None:
-                    beside = None if method == "plain" else await self.batcher.run_alone(self.methods[method])
-                    proposer = sess.proposers[name] = HistoryProposer(
-                        self.history, self.verify_cost(), self.history_acceptance, fallback=beside, fallback_k=k)
-            elif method != "plain":
+            if method != "plain":
                 proposer = sess.proposers.get(method)
                 if proposer is None:
                     proposer = sess.proposers[method] = await self.batcher.run_alone(self.methods[method])
+            if from_history:  # the history's drafts first, the method's (if any) where it has none
+                name = f"{HistoryProposer.name}+{method}"
+                if name not in sess.proposers:
+                    sess.proposers[name] = HistoryProposer(self.history, self.verify_cost(), self.history_acceptance,
+                                                           fallback=proposer, fallback_k=k)
+                proposer = sess.proposers[name]
             step = _Step(sess, pos, sampling=sampling, proposer=proposer, progress=progress)  # the first syncs
             try:
                 while not progress.done:
