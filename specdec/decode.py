@@ -296,7 +296,11 @@ def speculative_generate(
                                               else None),
                              generators=tuple(draft_gens[b] for b in active))
         proposed = any(ctx.k)
+        t_propose = time.perf_counter()
         proposals = proposer.propose(ctx) if proposed else [Proposal() for _ in active]
+        t_propose = time.perf_counter() - t_propose
+        for b in active:
+            rows[b].stats.draft_s += t_propose
         # 2. score, 3. accept, 4. commit / roll back: one target forward for every row.
         steps = [RowStep(rows[b].last_token, prop, sampling, target_gens[b], row_id=b)
                  for b, prop in zip(active, proposals)]

@@ -173,6 +173,7 @@ class GenerationStats:
     accepted: int = 0
     emitted: int = 0
     elapsed_s: float = 0.0
+    draft_s: float = 0.0  # wall time of the propose calls the sequence took part in (its batch's)
 
     @property
     def tau(self) -> float:

@@ -11,12 +11,16 @@ One run loads the target once and decodes the same prompts with every method:
 Methods are interleaved prompt by prompt (in a rotating order), so slow drift of a shared
 machine hits all of them alike. Per method and category the report gives tokens/s, speedup vs
 transformers' plain `generate` and vs specdec plain, tau (emitted tokens per target forward),
-alpha (accepted / drafted) and how many outputs equal the baseline's token for token. A
+alpha (accepted / drafted), c (drafting time per target forward, in forwards of specdec plain)
+and the speedup predicted for a device where verifying a few tokens costs one step (v = 1, a
+GPU at batch 1: tau / (1 + c)), and how many outputs equal the baseline's token for token. A
 speedup whose outputs differ does not count: the table says so.
 
 Limitations: wall-clock timing of whole requests (prefill included) at batch 1; tau/alpha of
 the transformers peers are derived by counting forward calls of their models (alpha is not
-reported for prompt lookup, whose drafts are not counted).
+reported for prompt lookup, whose drafts are not counted). The v = 1 prediction takes the
+draft's cost relative to a target forward as measured on this machine; on a GPU a small draft's
+ratio is of the same order (both launch- and memory-bound at batch 1), not the same.
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ class RunRecord:
     drafted: Optional[int] = None
     accepted: Optional[int] = None
     cpu_seconds: float = 0.0  # process CPU time of the call: robust to other processes on a shared machine
+    draft_seconds: Optional[float] = None  # time in the proposer (drafting), where the method drafts
 
 
 @dataclass
@@ -278,8 +283,10 @@ def _specdec_runner(ctx: BenchContext, method: str, backend: str) -> Runner:
             res = speculative_generate(lm, proposer, ids, stop=ctx.stop, k=schedule)[0]
         dt = time.perf_counter() - t0
         s = res.stats
+        drafts = factory is not None
         return RunRecord("", prompt.id, prompt.category, tuple(res.token_ids), dt, s.target_forwards,
-                         s.drafted if factory is not None else None, s.accepted if factory is not None else None)
+                         s.drafted if drafts else None, s.accepted if drafts else None,
+                         draft_seconds=s.draft_s if drafts else None)
 
     return run
 
@@ -479,8 +486,35 @@ class Row:
     speedup_vs_plain: Optional[float]
     tau: Optional[float]
     alpha: Optional[float]
+    draft_cost: Optional[float]  # drafting time per target forward, in forwards of specdec plain (same backend)
+    predicted_v1: Optional[float]  # predicted x plain where a verify forward costs one plain step (v = 1)
     equal_hf: int  # outputs identical to transformers' plain generate
     equal_plain: Optional[int]  # outputs identical to specdec plain (same backend)
+
+
+def draft_cost(records: Sequence[RunRecord], plain: Sequence[RunRecord]) -> Optional[float]:
+    """D: a method's drafting time per target forward, in units of one forward of specdec plain on
+    the same backend and prompts (plain's seconds per forward, prefill included); 0 for plain itself;
+    None where either was not measured."""
+    if not records or not plain or any(r.target_forwards is None for r in (*records, *plain)):
+        return None
+    if all(r.method == plain[0].method for r in records):
+        return 0.0
+    if any(r.draft_seconds is None for r in records):
+        return None
+    plain_step = sum(r.seconds for r in plain) / max(1, sum(r.target_forwards for r in plain))
+    forwards = sum(r.target_forwards for r in records)
+    return sum(r.draft_seconds for r in records) / forwards / plain_step if forwards and plain_step > 0 else None
+
+
+def predicted_speedup_v1(tau: Optional[float], cost: Optional[float]) -> Optional[float]:
+    """Tokens/s over plain on a device where a verify forward over the few drafted tokens costs
+    what a one-token forward does (v(k + 1) = 1: a GPU at batch 1): each step emits tau tokens for
+    one forward plus the drafting, `cost` forwards (draft_cost: its ratio to a target forward
+    taken as measured here). Plain predicts 1."""
+    if tau is None or cost is None:
+        return None
+    return tau / (1.0 + cost)
 
 
 def summarize(records: Sequence[RunRecord], methods: Sequence[str]) -> list[Row]:
@@ -516,14 +550,18 @@ def summarize(records: Sequence[RunRecord], methods: Sequence[str]) -> list[Row]
             ac = [r.accepted for r in rs]
             tokens = sum(len(r.token_ids) for r in rs)
             p = plain_of(m)
+            tau = tokens / sum(fw) if None not in fw and sum(fw) else None
+            cost = draft_cost(rs, by.get((p, cat), []) if p else [])
             rows.append(Row(
                 method=m, category=cat, prompts=len(rs), tokens=tokens, seconds=sum(r.seconds for r in rs),
                 tokens_per_s=tps[m], tokens_per_cpu_s=tpc[m],
                 speedup_vs_hf=tps[m] / tps[BASELINE] if tps.get(BASELINE) else None,
                 cpu_speedup_vs_hf=tpc[m] / tpc[BASELINE] if tpc.get(BASELINE) else None,
                 speedup_vs_plain=tps[m] / tps[p] if p and tps.get(p) else None,
-                tau=tokens / sum(fw) if None not in fw and sum(fw) else None,
+                tau=tau,
                 alpha=sum(ac) / sum(dr) if None not in dr and None not in ac and sum(dr) else None,
+                draft_cost=cost,
+                predicted_v1=predicted_speedup_v1(tau, cost),
                 equal_hf=sum(r.token_ids == ref.get(r.prompt_id) for r in rs),
                 equal_plain=sum(r.token_ids == plain_out.get((p, r.prompt_id)) for r in rs) if p else None,
             ))
@@ -554,19 +592,23 @@ def markdown_report(rows: Sequence[Row], missing: dict[str, str], meta: dict) ->
         "`=HF`: outputs identical token for token to transformers' plain `generate` (the baseline); "
         "`=plain`: identical to specdec plain on the same backend. A speedup with different output does not count. "
         "`x HF in CPU time`: the same ratio in process CPU time, which other processes on a shared machine "
-        "disturb less than wall time (meaningful with --threads 1).",
+        "disturb less than wall time (meaningful with --threads 1). "
+        "`c`: drafting time per target forward, in forwards of specdec plain on the same backend; "
+        "`x plain at v=1`: the speedup predicted where verifying a few tokens costs one plain step "
+        "(a GPU at batch 1), tau / (1 + c), taking c as measured here.",
         "",
         "## Overall",
         "",
-        "| method | tok/s | x HF generate | x specdec plain | x HF in CPU time | tau | alpha | =HF | =plain |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | tok/s | x HF generate | x specdec plain | x HF in CPU time | tau | alpha | c | x plain at v=1 "
+        "| =HF | =plain |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in methods:
         r = overall[m]
         lines.append(f"| {m} | {r.tokens_per_s:.1f} | {_f(r.speedup_vs_hf)} | {_f(r.speedup_vs_plain)} | "
                      f"{_f(r.cpu_speedup_vs_hf)} | "
-                     f"{_f(r.tau)} | {_f(r.alpha)} | {r.equal_hf}/{r.prompts} | "
-                     f"{'-' if r.equal_plain is None else f'{r.equal_plain}/{r.prompts}'} |")
+                     f"{_f(r.tau)} | {_f(r.alpha)} | {_f(r.draft_cost)} | {_f(r.predicted_v1)} | "
+                     f"{r.equal_hf}/{r.prompts} | {'-' if r.equal_plain is None else f'{r.equal_plain}/{r.prompts}'} |")
     lines += ["", "## Speedup vs HF generate, by category", "",
               "| method | " + " | ".join(categories) + " |", "|---|" + "---:|" * len(categories)]
     cell = {(r.method, r.category): r for r in rows}
@@ -576,14 +618,15 @@ def markdown_report(rows: Sequence[Row], missing: dict[str, str], meta: dict) ->
             if (m, c) in cell else "-" for c in categories) + " |")
     lines += ["", "≠: at least one output differs from HF generate's in that cell.", "",
               "## Per method and category", "",
-              "| method | category | prompts | tokens | tok/s | x HF | x plain | tau | alpha | =HF | =plain |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| method | category | prompts | tokens | tok/s | x HF | x plain | tau | alpha | c | x plain at v=1 "
+              "| =HF | =plain |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.category == "all":
             continue
         lines.append(f"| {r.method} | {r.category} | {r.prompts} | {r.tokens} | {r.tokens_per_s:.1f} | "
                      f"{_f(r.speedup_vs_hf)} | {_f(r.speedup_vs_plain)} | {_f(r.tau)} | {_f(r.alpha)} | "
-                     f"{r.equal_hf}/{r.prompts} | {'-' if r.equal_plain is None else f'{r.equal_plain}/{r.prompts}'} |")
+                     f"{_f(r.draft_cost)} | {_f(r.predicted_v1)} | {r.equal_hf}/{r.prompts} | {'-' if r.equal_plain is None else f'{r.equal_plain}/{r.prompts}'} |")
     if missing:
         lines += ["", "## Not run", ""] + [f"- {m}: {why}" for m, why in missing.items()]
     return "\n".join(lines) + "\n"

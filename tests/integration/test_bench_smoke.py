@@ -130,3 +130,32 @@ def test_bench_runs_a_specdec_draft_directory_on_both_backends(tmp_path):
     for other in logits[1:]:
         assert torch.equal(finite, torch.isfinite(other))
         torch.testing.assert_close(logits[0][finite], other[finite], rtol=1e-4, atol=1e-4)
+
+
+def test_bench_reports_drafting_cost_and_the_speedup_predicted_at_v1(tiny_run):
+    _, result = tiny_run
+    overall = {r["method"]: r for r in result["rows"] if r["category"] == "all"}
+    assert overall["plain@hf"]["draft_cost"] == 0.0 and overall["plain@hf"]["predicted_v1"] == 1.0
+    draft = overall["draft@hf"]
+    assert draft["draft_cost"] > 0.0  # a draft model's forwards take time
+    assert draft["predicted_v1"] == pytest.approx(draft["tau"] / (1.0 + draft["draft_cost"]))
+    assert overall["hf-assisted"]["predicted_v1"] is None  # the peer's drafting time is not measured
+    assert all(r["draft_seconds"] is not None for r in result["records"] if r["method"] == "draft@hf")
+
+
+def test_bench_table_has_the_drafting_cost_and_v1_columns(tiny_run):
+    out, _ = tiny_run
+    assert "| c | x plain at v=1 |" in (out / "results.md").read_text()
+
+
+def test_predicted_speedup_at_v1_from_tau_and_drafting_cost():
+    from specdec.bench.methods import draft_cost, predicted_speedup_v1
+
+    plain = [RunRecord("plain", "p", "c", (1,) * 10, 1.0, 10)]  # 0.1 s a forward
+    spec = [RunRecord("m", "p", "c", (1,) * 10, 0.6, 4, 8, 6, draft_seconds=0.08)]  # 0.02 s drafting a forward
+    cost = draft_cost(spec, plain)
+    assert cost == pytest.approx(0.2)
+    assert predicted_speedup_v1(10 / 4, cost) == pytest.approx(2.5 / 1.2)
+    assert draft_cost(plain, plain) == 0.0
+    assert draft_cost([RunRecord("m", "p", "c", (1,), 0.1, 1, 1, 1)], plain) is None  # no drafting time
+    assert predicted_speedup_v1(None, 0.1) is None
