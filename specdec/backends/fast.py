@@ -10,7 +10,7 @@ into the fused ones, so no memory is doubled), and runs the decoder with
   bookkeeping;
 - grouped-query attention without repeating K/V: the query heads that share a K/V head are
   folded into that head's query rows;
-- the matmul call chosen by row count (see `_linear`): about 1.9x faster at 1-2 rows than
+- the matmul call chosen by row count (see `linear_rows`): about 1.9x faster at 1-2 rows than
   F.linear here.
 
 Numerics follow transformers' Llama op for op (RMSNorm in float32, RoPE tables computed the same
@@ -162,7 +162,7 @@ _NT_MAX_ROWS_NARROW = 8  # ... and up to here when the input width is at most _N
 _NT_NARROW_IN = 1024
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
     """x [..., in] @ weight[out, in].T -> [..., out], with the fastest MKL call for the row count
     (kernel: "auto"; "nt" or "linear" force one path, for tests)."""
     if x.dtype != weight.dtype:  # reduced-precision weights (lossy, opt-in): oneDNN's own kernels
@@ -203,6 +203,99 @@ def _fuse_rows(*linears: torch.nn.Linear) -> torch.Tensor:
     return fused
 
 
+def fuse_layer(layer: torch.nn.Module) -> _Layer:
+    """A transformers LlamaDecoderLayer's weights, q/k/v and gate/up fused (the module's own
+    weights become views into the fused ones, so it keeps working and nothing is doubled)."""
+    att, mlp = layer.self_attn, layer.mlp
+    with torch.no_grad():
+        return _Layer(
+            layer.input_layernorm.weight.detach(),
+            _fuse_rows(att.q_proj, att.k_proj, att.v_proj),  # [(H + 2 KVH) * D, hidden]
+            att.o_proj.weight.detach(),
+            layer.post_attention_layernorm.weight.detach(),
+            _fuse_rows(mlp.gate_proj, mlp.up_proj),  # [2 * intermediate, hidden]
+            mlp.down_proj.weight.detach(),
+        )
+
+
+def copy_layer(layer: torch.nn.Module, dtype: torch.dtype) -> _Layer:
+    """fuse_layer's weights as copies in `dtype` (the norms' stay as they are), the module untouched."""
+    att, mlp = layer.self_attn, layer.mlp
+    with torch.no_grad():
+        def cat(*linears):
+            return torch.cat([m.weight.detach() for m in linears], dim=0).to(dtype).contiguous()
+
+        return _Layer(layer.input_layernorm.weight.detach().clone(), cat(att.q_proj, att.k_proj, att.v_proj),
+                      cat(att.o_proj), layer.post_attention_layernorm.weight.detach().clone(),
+                      cat(mlp.gate_proj, mlp.up_proj), cat(mlp.down_proj))
+
+
+class LayerShape:
+    """The head counts and sizes a decoder layer runs with, from a transformers Llama config."""
+
+    __slots__ = ("num_heads", "kv_heads", "head_dim", "intermediate", "eps")
+
+    def __init__(self, config):
+        self.num_heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.intermediate = config.intermediate_size
+        self.eps = float(config.rms_norm_eps)
+
+
+class RopeTable:
+    """cos, sin at given positions, from a transformers LlamaRotaryEmbedding's inverse
+    frequencies (a table grown on demand, computed as that module computes it)."""
+
+    def __init__(self, rotary: torch.nn.Module, head_dim: int, max_positions: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.inv_freq = rotary.inv_freq.detach().float()
+        self.scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self.max_positions, self.dtype, self.device = max_positions, dtype, device
+        self.cos = torch.empty(0, head_dim)
+        self.sin = torch.empty(0, head_dim)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [batch, q] -> cos, sin [batch, q, head_dim]."""
+        need = int(positions.max()) + 1
+        if need > self.cos.shape[0]:
+            n = min(max(need, 2 * self.cos.shape[0], 1024), max(self.max_positions, need))
+            freqs = torch.arange(n, device=self.inv_freq.device)[:, None].float() * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)  # [n, head_dim]
+            self.cos = (emb.cos() * self.scaling).to(self.dtype).to(self.device)
+            self.sin = (emb.sin() * self.scaling).to(self.dtype).to(self.device)
+        return self.cos[positions], self.sin[positions]
+
+
+def decoder_layer(x: torch.Tensor, layer: _Layer, shape: LayerShape, store: "_SlotStore", index: int,
+                  cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One Llama decoder layer over x [batch, q, hidden], writing its keys and values to slots
+    store.length .. + q of layer `index` (the caller has reserved them and moves the length after
+    the last layer); cos, sin [batch, 1, q, head_dim]; mask: the additive mask with the query heads
+    sharing a K/V head folded into its rows, [batch, 1, n_rep * q, slots + q]."""
+    batch, q = x.shape[:2]
+    H, KVH, D, I = shape.num_heads, shape.kv_heads, shape.head_dim, shape.intermediate
+    n_rep = H // KVH
+    start, end = store.length, store.length + q
+    h = _rms_norm(x, layer.in_norm, shape.eps)
+    qkv = linear_rows(h, layer.wqkv)  # [batch, q, (H + 2 KVH) * D]
+    qk = qkv[..., : (H + KVH) * D].view(batch, q, H + KVH, D).transpose(1, 2)  # [batch, H + KVH, q, D]
+    qk = qk * cos + _rotate_half(qk) * sin  # RoPE on queries and keys at once
+    qs, ks = qk[:, :H], qk[:, H:]  # [batch, H, q, D], [batch, KVH, q, D]
+    vs = qkv[..., (H + KVH) * D :].view(batch, q, KVH, D).transpose(1, 2)
+    store.keys[index, :, :, start:end] = ks
+    store.values[index, :, :, start:end] = vs
+    keys = store.keys[index, :, :, :end]  # [batch, KVH, slots + q, D]
+    values = store.values[index, :, :, :end]
+    qf = qs.reshape(batch, KVH, n_rep * q, D)  # head h = kv_head * n_rep + r
+    att = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=D ** -0.5)
+    att = att.view(batch, H, q, D).transpose(1, 2).reshape(batch, q, H * D)
+    x = x + linear_rows(att, layer.wo)
+    h = _rms_norm(x, layer.post_norm, shape.eps)
+    gate_up = linear_rows(h, layer.w_gate_up)  # [batch, q, 2 I]
+    return x + linear_rows(F.silu(gate_up[..., :I]) * gate_up[..., I:], layer.w_down)
+
+
 class FastLlamaLM(CausalLM):
     """CausalLM whose forward runs our own Llama decoder over the model's (fused) weights.
 
@@ -218,26 +311,13 @@ class FastLlamaLM(CausalLM):
         if why is not None:
             raise ModelLoadError(f"the fast backend cannot run {name}: {why}; use backend='hf'")
         super().__init__(model, name=name)
-        cfg = model.config
-        self.num_heads = cfg.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.intermediate = cfg.intermediate_size
-        self.eps = float(cfg.rms_norm_eps)
+        self.shape = LayerShape(model.config)
+        self.num_heads, self.kv_heads, self.head_dim = self.shape.num_heads, self.shape.kv_heads, self.shape.head_dim
+        self.eps = self.shape.eps
         decoder = model.get_decoder()
         with torch.no_grad():
             self.embed = decoder.embed_tokens.weight.detach()  # [vocab, hidden]
-            self.layers = []
-            for layer in decoder.layers:
-                att, mlp = layer.self_attn, layer.mlp
-                self.layers.append(_Layer(
-                    layer.input_layernorm.weight.detach(),
-                    _fuse_rows(att.q_proj, att.k_proj, att.v_proj),  # [(H + 2 KVH) * D, hidden]
-                    att.o_proj.weight.detach(),
-                    layer.post_attention_layernorm.weight.detach(),
-                    _fuse_rows(mlp.gate_proj, mlp.up_proj),  # [2 * intermediate, hidden]
-                    mlp.down_proj.weight.detach(),
-                ))
+            self.layers = [fuse_layer(layer) for layer in decoder.layers]
             self.norm = decoder.norm.weight.detach()
             self.lm_head = model.get_output_embeddings().weight.detach()  # [vocab, hidden]
             self.head_rows = None if head_rows is None else head_rows.long().to(self.lm_head.device)
@@ -252,11 +332,7 @@ class FastLlamaLM(CausalLM):
                 for name in ("wqkv", "wo", "w_gate_up", "w_down"):
                     setattr(layer, name, getattr(layer, name).to(self.weight_dtype))
             self.lm_head = self.lm_head.to(self.weight_dtype)
-        rotary = decoder.rotary_emb
-        self.inv_freq = rotary.inv_freq.detach().float()
-        self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        self._cos = torch.empty(0, self.head_dim)
-        self._sin = torch.empty(0, self.head_dim)
+        self.rope = RopeTable(decoder.rotary_emb, self.head_dim, self.max_positions, self.dtype, self.device)
 
     def cost_identity(self) -> dict:
         return {**super().cost_identity(), "weight_dtype": str(self.weight_dtype),
@@ -264,18 +340,6 @@ class FastLlamaLM(CausalLM):
 
     def new_cache(self, batch_size: int) -> FastKVCache:
         return FastKVCache(batch_size, len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device)
-
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [batch, q, head_dim] at these positions (a table grown on demand, computed as
-        transformers' LlamaRotaryEmbedding computes it)."""
-        need = int(positions.max()) + 1
-        if need > self._cos.shape[0]:
-            n = min(max(need, 2 * self._cos.shape[0], 1024), max(self.max_positions, need))
-            freqs = torch.arange(n, device=self.inv_freq.device)[:, None].float() * self.inv_freq
-            emb = torch.cat((freqs, freqs), dim=-1)  # [n, head_dim]
-            self._cos = (emb.cos() * self.rope_scaling).to(self.dtype).to(self.device)
-            self._sin = (emb.sin() * self.rope_scaling).to(self.dtype).to(self.device)
-        return self._cos[positions], self._sin[positions]
 
     @torch.inference_mode()
     def forward(
@@ -299,36 +363,18 @@ class FastLlamaLM(CausalLM):
         # Query heads sharing a K/V head are folded into its rows: [batch, 1, n_rep * q, slots + q].
         n_rep = self.num_heads // self.kv_heads
         mask = mask.repeat(1, 1, n_rep, 1)
-        cos, sin = self._rope(positions)  # [batch, q, head_dim]
+        cos, sin = self.rope(positions)  # [batch, q, head_dim]
         cos, sin = cos[:, None], sin[:, None]  # [batch, 1, q, head_dim]
 
         store = cache.hf
         store.reserve(q)
-        start, end = store.length, store.length + q
-        H, KVH, D, I = self.num_heads, self.kv_heads, self.head_dim, self.intermediate
         x = F.embedding(input_ids.to(dev), self.embed)  # [batch, q, hidden]
         for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.in_norm, self.eps)
-            qkv = _linear(h, layer.wqkv)  # [batch, q, (H + 2 KVH) * D]
-            qk = qkv[..., : (H + KVH) * D].view(batch, q, H + KVH, D).transpose(1, 2)  # [batch, H + KVH, q, D]
-            qk = qk * cos + _rotate_half(qk) * sin  # RoPE on queries and keys at once
-            qs, ks = qk[:, :H], qk[:, H:]  # [batch, H, q, D], [batch, KVH, q, D]
-            vs = qkv[..., (H + KVH) * D :].view(batch, q, KVH, D).transpose(1, 2)
-            store.keys[i, :, :, start:end] = ks
-            store.values[i, :, :, start:end] = vs
-            keys = store.keys[i, :, :, :end]  # [batch, KVH, slots + q, D]
-            values = store.values[i, :, :, :end]
-            qf = qs.reshape(batch, KVH, n_rep * q, D)  # head h = kv_head * n_rep + r
-            att = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=D ** -0.5)
-            att = att.view(batch, H, q, D).transpose(1, 2).reshape(batch, q, H * D)
-            x = x + _linear(att, layer.wo)
-            h = _rms_norm(x, layer.post_norm, self.eps)
-            gate_up = _linear(h, layer.w_gate_up)  # [batch, q, 2 I]
-            x = x + _linear(F.silu(gate_up[..., :I]) * gate_up[..., I:], layer.w_down)
-        store.length = end
+            x = decoder_layer(x, layer, self.shape, store, i, cos, sin, mask)
+        store.length += q
         hidden = _rms_norm(x, self.norm, self.eps)  # [batch, q, hidden]
         sel = hidden if logits_at is None else hidden[:, logits_at.to(dev)]
-        logits = _linear(sel, self.lm_head)  # [batch, q', vocab or subset]
+        logits = linear_rows(sel, self.lm_head)  # [batch, q', vocab or subset]
         if self.head_rows is not None:
             logits = scatter_subset_logits(logits, self.head_rows, self.vocab_size)
         cache.appended(input_valid)

@@ -332,12 +332,33 @@ def test_a_draft_refuses_another_target(tiny_target, trained_dir, tmp_path):
 def test_a_draft_round_trips_through_its_directory(tiny_target, tmp_path):
     draft = build_eagle(tiny_target, torch.arange(0, 96, 3))
     save_eagle(tmp_path / "d", draft, {"target": tiny_target.name}, dtype=torch.float32)
-    again = load_eagle(tmp_path / "d", tiny_target)
+    again = load_eagle(tmp_path / "d", tiny_target, drafting_dtype=torch.float32)
     feats, ids = torch.randn(1, 4, 48), torch.tensor([[5, 6, 7, 8]])
     a = draft.extend(draft.new_cache(1), feats, ids)
     b = again.extend(again.new_cache(1), feats, ids)
     torch.testing.assert_close(draft.logits(a), again.logits(b))
     assert torch.isfinite(again.logits(b)[0, 0]).nonzero().flatten().tolist() == list(range(0, 96, 3))
+
+
+def test_a_float32_draft_drafts_in_float16_weights_close_to_its_own(tiny_target, trained_dir):
+    """Loaded for drafting, a float32 draft's layer and head run in float16 weights (half the bytes
+    a step reads); its features and logits stay within float16 rounding of the float32 ones, and
+    a change to the parameters (training, loading) is picked up by the next step."""
+    half = load_eagle(trained_dir, tiny_target)
+    full = load_eagle(trained_dir, tiny_target, drafting_dtype=torch.float32)
+    assert half.drafting().head.dtype == torch.float16 and full.drafting().head.dtype == torch.float32
+    feats, ids = torch.randn(1, 6, 48), torch.tensor([[5, 6, 7, 8, 9, 10]])
+    a, b = half.extend(half.new_cache(1), feats, ids), full.extend(full.new_cache(1), feats, ids)
+    torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    finite = torch.isfinite(full.logits(b))
+    torch.testing.assert_close(half.logits(a)[finite], full.logits(b)[finite], atol=5e-2, rtol=5e-2)
+    with torch.no_grad():
+        full.fc.bias.add_(1.0)  # in place, as an optimizer step
+    c = full.extend(full.new_cache(1), feats, ids)
+    assert not torch.allclose(b, c)
+    with torch.no_grad():
+        reference = full(feats, ids, None, torch.arange(6)[None], None)  # transformers' layer, causal by default
+    torch.testing.assert_close(c, reference, atol=1e-5, rtol=1e-5)
 
 
 def test_batch_labels_are_the_targets_next_top1_in_the_subset(tiny_target):

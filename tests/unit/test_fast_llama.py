@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdec.decode import plain_generate, speculative_generate
 from specdec.errors import ModelLoadError
 from specdec.backends.fast import FastKVCache, FastLlamaLM, supports_fast
-from specdec.backends.fast import _linear
+from specdec.backends.fast import linear_rows
 from specdec.backends.hf import CausalLM
 from specdec.proposers import DraftModelProposer, PromptLookupProposer
 from specdec.tree import block_mask, depths
@@ -147,7 +147,7 @@ def test_linear_kernels_agree_with_f_linear(rows, kernel):
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(1, rows, 40, generator=gen)
     w = torch.randn(24, 40, generator=gen)
-    torch.testing.assert_close(_linear(x, w, kernel), torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(linear_rows(x, w, kernel), torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
 def test_reduced_precision_weights_stay_close(tiny_target):
