@@ -16,9 +16,9 @@ q/k/v and gate/up, the row-count matmul choice) on a pre-allocated cache of pair
 (FastKVCache: a validity mask, so rolling back is marking slots invalid), in float16 weights
 for a float32 draft (DRAFTING_DTYPE; float32 drafting agrees with the transformers layer to float
 rounding). Measured (1 thread, quiet, the shipped draft, a cache of 64 pairs, `step_cost` against
-the llama.cpp target): one drafting step 3.2 + 2.1 ms (layer + head; c 0.33-0.41) through
-transformers' layer, 2.2 + 1.9 (c 0.21-0.23) through the compact one, 1.2 + 0.75 (c 0.14-0.15)
-with float16 weights. Drafting
+the llama.cpp target, three runs each): one drafting step 3.1 + 2.1 ms (layer + head; c
+0.33-0.41) through transformers' layer, 2.2-2.8 + 1.5-1.9 (c 0.18-0.35) through the compact one,
+1.2-1.6 + 0.75-1.1 (c 0.14-0.18) with float16 weights. Drafting
 k tokens after the committed t_0..t_{L-1} (features f_0..f_{L-2} known): feed the pairs up to
 (f_{L-2}, t_{L-1}), which gives f^_{L-1} and the first token d_1; then feed (f^_{L-1}, d_1) ->
 f^_L -> d_2, and so on: where the true feature is not known yet, the draft's own prediction
@@ -138,6 +138,11 @@ class EagleDraft(torch.nn.Module):
 
     # --- drafting on a KV cache of pairs ----------------------------------------------------
 
+    def cost_identity(self) -> dict:
+        """What a drafting step's cost depends on besides the machine and the target (the key of
+        its measured c in the cost store): how drafting runs and in which dtype."""
+        return {"impl": "fast.decoder_layer", "dtype": str(self.drafting_dtype or self.dtype)}
+
     def new_cache(self, batch_size: int) -> FastKVCache:
         return FastKVCache(batch_size, 1, self.shape.kv_heads, self.shape.head_dim, self.dtype, self.device)
 
@@ -208,10 +213,10 @@ def is_eagle_dir(path: Path) -> bool:
 
 # Drafting weights of a float32 draft: half the bytes. A drafting step reads every weight of the
 # layer and the head once (16.7 + 18.9 MB in float32 for SmolLM2's 8,192-row head), more than
-# this machine's L3 beside the target's stream; in float16 the step took 1.2 + 0.75 ms against
-# 2.8 + 1.5 (1 thread, quiet, `specdec.eagle.step_cost`: c 0.14-0.15 against the llama.cpp
-# target, 0.18-0.35 in float32). Lossless all the same: the target verifies, and a sampled
-# draft's probabilities are the ones it drew from.
+# this machine's 32 MB L3 beside the target's stream (the module docstring has the timings:
+# c 0.14-0.18 against the llama.cpp target in float16, 0.18-0.35 in float32). Lossless all the
+# same: the target verifies, and a sampled draft's probabilities are the ones it drew from;
+# alpha on the dev prompts was the same (k = 1, every category).
 DRAFTING_DTYPE = {torch.float32: torch.float16}
 
 

@@ -193,7 +193,7 @@ class Engine:
         lm = self.target.lm
         draft = self.proposer_factory("eagle")().draft  # the draft the method loaded (once)
         key = {"figure": "eagle_cost", "machine": machine_identity(lm.device), "model": lm.cost_identity(),
-               "eagle": self._proposer_name("eagle") or "shipped"}
+               "eagle": self._proposer_name("eagle") or "shipped", "drafting": draft.cost_identity()}
         return float(self.costs.figure(key, "the EAGLE draft's cost against the target", lambda: step_cost(draft, lm)))
 
     def _proposer_name(self, method: str) -> str:

@@ -165,7 +165,7 @@ _NT_NARROW_IN = 1024
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
     """x [..., in] @ weight[out, in].T -> [..., out], with the fastest MKL call for the row count
     (kernel: "auto"; "nt" or "linear" force one path, for tests)."""
-    if x.dtype != weight.dtype:  # reduced-precision weights (lossy, opt-in): oneDNN's own kernels
+    if x.dtype != weight.dtype:  # reduced-precision weights (fast-bf16, lossy and opt-in; EAGLE drafting): oneDNN
         return F.linear(x.to(weight.dtype), weight).to(x.dtype)
     m = x.numel() // x.shape[-1]
     use_nt = kernel == "nt" or (kernel == "auto" and (
