@@ -108,6 +108,9 @@ class EagleDraft(torch.nn.Module):
         self.shape = LayerShape(config)
         self.drafting_dtype = drafting_dtype
         self._drafting: Optional[_DraftingWeights] = None  # made from the parameters on demand (drafting())
+        # The Parameter objects stay for the module's life (loading, optimizer steps and .to() change
+        # their data, not the objects), so drafting() checks this list rather than walk the modules.
+        self._params = list(self.parameters())
 
     @property
     def device(self) -> torch.device:
@@ -150,12 +153,12 @@ class EagleDraft(torch.nn.Module):
         """The weights drafting runs on: copies in drafting_dtype (None: the parameters' own),
         made again whenever a parameter or buffer was replaced or changed in place since
         (training, loading, a move to another device)."""
-        key = tuple((t.data_ptr(), t._version, t.dtype) for t in (*self.parameters(), self.head))
+        key = tuple((t.data_ptr(), t._version, t.dtype) for t in (*self._params, self.head))
         if self._drafting is None or self._drafting.key != key:
             dtype = self.drafting_dtype or self.dtype
             self._drafting = _DraftingWeights(
                 key=key, layer=copy_layer(self.layer, dtype), fc_weight=self.fc.weight.detach().to(dtype),
-                fc_bias=self.fc.bias.detach().clone(), head=self.head.to(dtype),
+                fc_bias=self.fc.bias.detach(), head=self.head.to(dtype),
                 rope=RopeTable(self.rotary, self.shape.head_dim,
                                int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30),
                                self.dtype, self.device))

@@ -34,7 +34,7 @@ thresholds were measured on one CPU; on a GPU every matmul is F.linear.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -193,7 +193,10 @@ class _Layer:
 
 
 def _fuse_rows(*linears: torch.nn.Linear) -> torch.Tensor:
-    """One [sum(out), in] weight; each module's weight becomes a view into it (no extra memory)."""
+    """One [sum(out), in] weight; each module's weight becomes a view into it (no extra memory).
+    A single module's weight is returned as it is."""
+    if len(linears) == 1:
+        return linears[0].weight.detach()
     fused = torch.cat([m.weight.detach() for m in linears], dim=0).contiguous()
     start = 0
     for m in linears:
@@ -203,31 +206,25 @@ def _fuse_rows(*linears: torch.nn.Linear) -> torch.Tensor:
     return fused
 
 
-def fuse_layer(layer: torch.nn.Module) -> _Layer:
-    """A transformers LlamaDecoderLayer's weights, q/k/v and gate/up fused (the module's own
-    weights become views into the fused ones, so it keeps working and nothing is doubled)."""
+def _layer_from(layer: torch.nn.Module, weight: Callable[..., torch.Tensor]) -> _Layer:
+    """A transformers LlamaDecoderLayer as a _Layer: weight(*linears) makes each matrix (q/k/v and
+    gate/up fused into one each); the norms' weights are the module's own."""
     att, mlp = layer.self_attn, layer.mlp
     with torch.no_grad():
-        return _Layer(
-            layer.input_layernorm.weight.detach(),
-            _fuse_rows(att.q_proj, att.k_proj, att.v_proj),  # [(H + 2 KVH) * D, hidden]
-            att.o_proj.weight.detach(),
-            layer.post_attention_layernorm.weight.detach(),
-            _fuse_rows(mlp.gate_proj, mlp.up_proj),  # [2 * intermediate, hidden]
-            mlp.down_proj.weight.detach(),
-        )
+        return _Layer(layer.input_layernorm.weight.detach(), weight(att.q_proj, att.k_proj, att.v_proj),
+                      weight(att.o_proj), layer.post_attention_layernorm.weight.detach(),
+                      weight(mlp.gate_proj, mlp.up_proj), weight(mlp.down_proj))
+
+
+def fuse_layer(layer: torch.nn.Module) -> _Layer:
+    """The layer's weights fused; the module's own weights become views into the fused ones, so it
+    keeps working and nothing is doubled."""
+    return _layer_from(layer, _fuse_rows)
 
 
 def copy_layer(layer: torch.nn.Module, dtype: torch.dtype) -> _Layer:
-    """fuse_layer's weights as copies in `dtype` (the norms' stay as they are), the module untouched."""
-    att, mlp = layer.self_attn, layer.mlp
-    with torch.no_grad():
-        def cat(*linears):
-            return torch.cat([m.weight.detach() for m in linears], dim=0).to(dtype).contiguous()
-
-        return _Layer(layer.input_layernorm.weight.detach().clone(), cat(att.q_proj, att.k_proj, att.v_proj),
-                      cat(att.o_proj), layer.post_attention_layernorm.weight.detach().clone(),
-                      cat(mlp.gate_proj, mlp.up_proj), cat(mlp.down_proj))
+    """The layer's weights fused as copies in `dtype` (the norms stay the module's), the module untouched."""
+    return _layer_from(layer, lambda *linears: torch.cat([m.weight.detach() for m in linears]).to(dtype).contiguous())
 
 
 class LayerShape:
