@@ -13,7 +13,6 @@ PING over a raw socket, so this module needs no Redis client library.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import shutil
 import signal
@@ -64,12 +63,30 @@ def _redis_command(port: int, *words: str, timeout: float = 1.0, password: Optio
             return b""
 
 
-def die_with_parent() -> None:
-    """Popen's preexec_fn: the child is sent SIGKILL when the thread that started it dies (Linux's
-    PR_SET_PDEATHSIG; elsewhere nothing), so a test run or `specdec up` killed by a signal, which
-    runs no clean-up, leaves no redis-server or service behind."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+# Run in a fresh interpreter between fork and the child's program: the parent's process may run
+# threads (gRPC, torch), and code run in a forked copy of it before exec (Popen's preexec_fn) can
+# crash or hang there on a lock another thread held (a redis-server start in the tests died of
+# SIGSEGV that way). This shim holds no threads: it sets what it is given, then execs the child.
+_EXEC_SHIM = """import ctypes, os, signal, sys
+parent, cpus, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+if cpus:
+    os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+if sys.platform.startswith("linux"):
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(1)
+os.execvp(argv[0], argv)
+"""
+
+
+def guarded(argv: Sequence[str], cpus: Optional[set[int]] = None) -> list[str]:
+    """argv to give Popen instead of `argv` so that the child is sent SIGKILL when the thread that
+    started it dies (Linux's PR_SET_PDEATHSIG; elsewhere nothing): a test run or `specdec up`
+    killed by a signal, which runs no clean-up, leaves no redis-server or service behind. cpus:
+    the CPUs the child (and every thread it starts) may run on; None: any. Needs no preexec_fn,
+    so it is safe from a process running threads."""
+    return [sys.executable, "-I", "-S", "-c", _EXEC_SHIM, str(os.getpid()),
+            ",".join(str(c) for c in sorted(cpus)) if cpus else "", *argv]
 
 
 @dataclass
@@ -89,11 +106,11 @@ class RedisServer:
     def start(self, timeout: float = 10.0) -> "RedisServer":
         self.port = self.port or free_port()
         self.dir = tempfile.TemporaryDirectory(prefix="specdec-redis-")
-        self.proc = subprocess.Popen(
+        self.proc = subprocess.Popen(guarded(
             [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.dir.name, "--protected-mode", "yes",
-             *(("--requirepass", self.password) if self.password else ()), *self.extra_args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+             *(("--requirepass", self.password) if self.password else ()), *self.extra_args]),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
@@ -154,8 +171,8 @@ class Service:
     def launch(self) -> None:
         out = open(self.log_path, "ab") if self.log_path else None  # append: a restart keeps the earlier log
         try:
-            self.proc = subprocess.Popen(self.argv, stdout=out or subprocess.DEVNULL,
-                                         stderr=subprocess.STDOUT if out else None, preexec_fn=die_with_parent)
+            self.proc = subprocess.Popen(guarded(self.argv), stdout=out or subprocess.DEVNULL,
+                                         stderr=subprocess.STDOUT if out else None)
         finally:
             if out is not None:
                 out.close()  # the child holds its own copy

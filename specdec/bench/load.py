@@ -239,15 +239,15 @@ def load_real(args) -> int:
     """`specdec up` (its defaults) in a child, its services' processes measured."""
     import tempfile
 
-    from specdec.app.launcher import die_with_parent, free_port, stop_processes
+    from specdec.app.launcher import free_port, guarded, stop_processes
 
     ports = [free_port() for _ in range(3)]
     logs = Path(tempfile.mkdtemp(prefix="specdec-load-"))
     argv = [sys.executable, "-m", "specdec", "up", "--port", str(ports[0]), "--draft-port", str(ports[1]),
             "--target-port", str(ports[2]), "--http-port", "-1", "--threads", str(args.threads),
             "--log-dir", str(logs)]
-    up = subprocess.Popen(argv, stdout=open(logs / "up.log", "wb"), stderr=subprocess.STDOUT,
-                          preexec_fn=die_with_parent, cwd=checkout())
+    up = subprocess.Popen(guarded(argv), stdout=open(logs / "up.log", "wb"), stderr=subprocess.STDOUT,
+                          cwd=checkout())
     try:
         asyncio.run(wait_serving(f"127.0.0.1:{ports[0]}", timeout=900))
         pids = {process_name(p): p for p in children(up.pid)}

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from specdec.app.launcher import die_with_parent, free_port
+from specdec.app.launcher import free_port, guarded
 from specdec.bench import checkout
 from specdec.prompt_sets import read_prompt_rows
 
@@ -96,7 +96,7 @@ def start_specdec(threads: int, logs: Path, method: Optional[str], cache: bool =
             *([] if cache else ["--prefix-cache-mb", "0"]), *([] if cache and history else ["--history-tokens", "0"]),
             *(["--join-sessions"] if join else [])]
     out = open(logs / "specdec-up.log", "wb")
-    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent, cwd=ROOT)
+    proc = subprocess.Popen(guarded(argv), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     _wait_http(f"http://127.0.0.1:{ports[3]}/health", proc, 900, logs / "specdec-up.log")
     return Server("specdec", f"http://127.0.0.1:{ports[3]}/v1", proc,
                   {"specdec": {"method": method}} if method else {})
@@ -117,7 +117,7 @@ def start_llama_server(binary: str, threads: int, slots: int, cache: bool, logs:
     if not cache:
         argv += ["--cache-ram", "0", "--no-cache-prompt"]
     log = logs / "llama-server.log"
-    proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+    proc = subprocess.Popen(guarded(argv), stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     _wait_http(f"http://127.0.0.1:{port}/health", proc, 120, log)
     return Server("llama-server", f"http://127.0.0.1:{port}/v1", proc)
 

@@ -112,9 +112,10 @@ class Procs:
 
     def start(self, *argv: str, log: Path, cpus: Optional[set[int]] = None) -> subprocess.Popen:
         """cpus: the CPUs the process (and every thread it starts) may run on; None: any."""
-        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
-        proc = subprocess.Popen([sys.executable, *argv], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                                preexec_fn=pin)
+        from specdec.app.launcher import guarded
+
+        proc = subprocess.Popen(guarded([sys.executable, *argv], cpus), stdout=open(log, "wb"),
+                                stderr=subprocess.STDOUT)
         self.procs.append(proc)
         return proc
 

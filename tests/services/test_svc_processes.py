@@ -17,7 +17,7 @@ from specdec.decode import plain_generate
 from specdec.models import load_model
 from specdec.testing import perturbed_copy, tiny_llama
 from specdec.rpc.clients import CoordinatorClient, ServiceClient
-from specdec.app.launcher import _wait_serving, die_with_parent, free_port, stop_processes
+from specdec.app.launcher import _wait_serving, free_port, guarded, stop_processes
 from specdec.types import StopConditions
 from tests.conftest import assert_greedy_equal
 
@@ -53,8 +53,7 @@ def test_services_as_processes_match_plain_decoding_and_stop_on_sigterm(tmp_path
     health = {"target": "specdec.rpc.v1.TargetService", "draft": "specdec.rpc.v1.DraftService",
               "coordinator": "specdec.rpc.v1.Coordinator"}
     port_of = {"target": ports["target"], "draft": ports["draft"], "coordinator": ports["coord"]}
-    procs = {name: subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    preexec_fn=die_with_parent)
+    procs = {name: subprocess.Popen(guarded(cmd), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
              for name, cmd in argv.items()}
     try:
         async def scenario():

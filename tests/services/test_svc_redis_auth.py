@@ -159,17 +159,17 @@ def tls_redis(tmp_path):
 
     import redis as syncredis
 
-    from specdec.app.launcher import die_with_parent, free_port
+    from specdec.app.launcher import free_port, guarded
 
     ca = make_ca(tmp_path, "redis-ca")
     cert, key = ca.issue("redis", hosts=("127.0.0.1",))
     port = free_port()
-    proc = subprocess.Popen([tls_redis_server(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+    proc = subprocess.Popen(guarded([tls_redis_server(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
                              "--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-cert-file", ca.cert,
                              "--tls-auth-clients", "no", "--save", "", "--appendonly", "no", "--dir", str(tmp_path),
                              "--requirepass", ADMIN_PW, "--user", "specdec", "on", f">{USER_PW}", "~specdec:*",
-                             "+@all", "-@dangerous"], stdout=open(tmp_path / "redis.log", "wb"),
-                            stderr=subprocess.STDOUT, preexec_fn=die_with_parent)  # (its log: why it exited)
+                             "+@all", "-@dangerous"]), stdout=open(tmp_path / "redis.log", "wb"),
+                            stderr=subprocess.STDOUT)  # (its log: why it exited)
     client = syncredis.Redis(host="127.0.0.1", port=port, password=ADMIN_PW, ssl=True, ssl_ca_certs=ca.cert,
                              socket_timeout=1)
     try:
