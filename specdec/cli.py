@@ -46,6 +46,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eagle", default=None, metavar="DIR",
                    help="EAGLE draft directory for --method eagle, made by `specdec train eagle` (default: the one "
                         "shipped for the target)")
+    p.add_argument("--eagle-depth", default="auto", choices=("auto", "k"),
+                   help="--method eagle: each step's chain as deep as the draft's confidence pays for on this "
+                        "machine's measured costs, at most --k (auto, default), or --k tokens (k)")
     p.add_argument("--tree", default=None,
                    help="Medusa tree: auto (default, measured), chain, a node count N, or JSON paths like [[0],[0,0],[1]]")
     p.add_argument("--typical", action="store_true",
@@ -86,7 +89,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     _quiet_model_loading()
     config = EngineConfig(target=args.target, draft=args.draft if args.method == "draft" else None, lookahead=lookahead,
                           backend=args.backend, medusa_heads=args.heads, medusa_tree=args.tree, methods=(args.method,),
-                          eagle_dir=args.eagle, prefix_cache_mb=0,
+                          eagle_dir=args.eagle, eagle_depth=args.eagle_depth, prefix_cache_mb=0,
                           history_tokens=0)  # one prompt a process: nothing to reuse
     engine = Engine(config, costs=default_cost_store(config, notify=_say))
     method = engine.resolve_method(args.method)

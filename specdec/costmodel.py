@@ -30,7 +30,7 @@ import statistics
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Optional, Union
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -80,6 +80,32 @@ def predicted_speedup(alpha: float, k: int, c: float, v: VerifyCost) -> float:
     if c < 0:
         raise ValueError(f"c must be >= 0, got {c}")
     return expected_tokens(alpha, k) / (k * c + verify_cost_at(v, k + 1))
+
+
+def tokens_worth_verifying(reach: Sequence[float], c: float, v: VerifyCost) -> int:
+    """How many of a drafted chain's tokens to verify: the n maximizing (1 + sum(reach[:n])) /
+    (n*c + v(n + 1)), where reach[d] is the estimated chance that the chain's first d + 1 tokens
+    are all accepted (non-increasing), i.e. the expected emitted tokens per time of a block of n
+    (0: a plain step, worth 1). The smallest n on ties. c: as in predicted_speedup (the drafting
+    is charged for the n tokens kept)."""
+    best, best_rate, expected = 0, 1.0 / verify_cost_at(v, 1), 1.0
+    for n, r in enumerate(reach, start=1):
+        expected += r
+        rate = expected / (n * c + verify_cost_at(v, n + 1))
+        if rate > best_rate + 1e-12:
+            best, best_rate = n, rate
+    return best
+
+
+def worth_including(reach: Sequence[float], k: int, c: float, v: VerifyCost) -> bool:
+    """Whether a chain's last token so far (reach as in tokens_worth_verifying, up to it) belongs
+    in a block of at most k tokens, judged from the chain up to it only: if every later token
+    were as likely as it (the most they can be), the best block would hold it. A rule that reads
+    nothing of the tokens after it, so a sampled chain cut by it stays exact."""
+    if not reach or len(reach) > k:
+        return False
+    filled = [*reach, *[reach[-1]] * (k - len(reach))]
+    return tokens_worth_verifying(filled, c, v) >= len(reach)
 
 
 def best_k(alpha: float, c: float, v: VerifyCost, ks: Iterable[int] = range(1, 33)) -> int:

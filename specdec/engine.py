@@ -24,6 +24,9 @@ from specdec.types import GenerationResult, SamplingParams, StopConditions
 AUTO = "auto"
 
 
+EAGLE_DEPTHS = ("auto", "k")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     target: Optional[str] = None  # None: the embedded default (SmolLM2-135M-Instruct)
@@ -45,12 +48,19 @@ class EngineConfig:
     # EAGLE draft directory for "eagle" (None: the one shipped for the target in
     # specdec/assets/eagle/<target>/, made by `specdec train eagle`)
     eagle_dir: Optional[str] = None
+    # How deep EAGLE's chains go: "auto", each step as deep as the draft's confidence pays for on
+    # the target's measured verify cost (at most k; specdec.proposers.eagle.DepthChoice); "k": k tokens
+    eagle_depth: str = "auto"
     # MiB of KV of earlier prompts and answers kept to be reused by later calls that start the same
     # way (a shared system prompt or document, a conversation's next turn; one prompt per call); 0: off
     prefix_cache_mb: int = 256
     # Tokens of earlier calls' prompts and answers kept for drafts (specdec.token_history): plain
     # decoding drafts what followed where a prompt's or answer's end matches one of them; 0: off
     history_tokens: int = 1 << 17
+
+    def __post_init__(self) -> None:
+        if self.eagle_depth not in EAGLE_DEPTHS:
+            raise InvalidRequest(f"eagle_depth must be one of {', '.join(EAGLE_DEPTHS)}, got {self.eagle_depth!r}")
 
 
 @dataclass(frozen=True)
@@ -187,14 +197,10 @@ class Engine:
 
     def _eagle_cost(self) -> float:
         """c of the EAGLE draft on this target and machine (specdec.eagle.step_cost), kept in the store."""
-        from specdec.costmodel import machine_identity
-        from specdec.eagle import step_cost
+        from specdec.proposers.eagle import eagle_cost
 
-        lm = self.target.lm
         draft = self.proposer_factory("eagle")().draft  # the draft the method loaded (once)
-        key = {"figure": "eagle_cost", "machine": machine_identity(lm.device), "model": lm.cost_identity(),
-               "eagle": self._proposer_name("eagle") or "shipped", "drafting": draft.cost_identity()}
-        return float(self.costs.figure(key, "the EAGLE draft's cost against the target", lambda: step_cost(draft, lm)))
+        return eagle_cost(self.costs, draft, self.target.lm, self.config.eagle_dir)
 
     def _proposer_name(self, method: str) -> str:
         """What a method's acceptance record is kept under beside the method (its draft, heads or

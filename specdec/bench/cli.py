@@ -57,6 +57,8 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=None, help="target model directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--eagle", default=None,
                    help="EAGLE draft directory for specdec eagle (default: the one shipped for the target)")
+    p.add_argument("--eagle-depth", default="auto", choices=("auto", "k"),
+                   help="EAGLE chains as deep as the draft's confidence pays for, at most k (auto), or k tokens")
     p.add_argument("--draft", default="shipped",
                    help="draft for specdec draft and HF assisted: shipped (default: the draft shipped for the "
                         "target, early-exit:4 if none), a model or specdec draft directory, or early-exit:N "
@@ -88,7 +90,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if not Path(args.prompts).is_file():
         raise SpecdecError(f"prompt file not found: {args.prompts}")
     config = BenchConfig(
-        target=args.target, draft=args.draft, eagle=args.eagle, prompts=Path(args.prompts),
+        target=args.target, draft=args.draft, eagle=args.eagle, eagle_depth=args.eagle_depth, prompts=Path(args.prompts),
         per_category=0 if args.all else args.per_category, categories=_csv(args.categories),
         max_new_tokens=args.max_new_tokens, k=_k_arg(args.k), methods=_csv(args.methods), backends=backends,
         out=Path(args.out), seed=args.seed, threads=args.threads, device=args.device,

@@ -54,6 +54,7 @@ class BenchConfig:
     # directory; or early-exit:N (the target's first N layers, untrained)
     draft: str = "shipped"
     eagle: Optional[str] = None  # the EAGLE draft directory for specdec eagle (None: the one shipped for the target)
+    eagle_depth: str = "auto"  # EngineConfig.eagle_depth
     prompts: Path = DEV_PROMPTS  # jsonl rows with "id", "category", "turns" (first turn used)
     per_category: int = 5  # prompts per category, a fixed seeded sample; 0 = all of them
     categories: tuple[str, ...] = ()  # () = every category in the file
@@ -335,7 +336,7 @@ def build_context(config: BenchConfig, target: Optional[LoadedModel] = None,
         ctx.engines[backend] = Engine.from_models(_on_backend(target, backend),
                                                   None if draft is None else _on_backend(draft, backend),
                                                   EngineConfig(target=config.target, prefix_cache_mb=0, history_tokens=0,
-                                                               eagle_dir=config.eagle))
+                                                               eagle_dir=config.eagle, eagle_depth=config.eagle_depth))
     return ctx
 
 
@@ -369,7 +370,7 @@ def _llamacpp_engine(config: BenchConfig, draft: Optional[LoadedModel]):
                              path=draft.path)
     return Engine.from_models(target, on_cpp,
                               EngineConfig(target=config.target, backend="llamacpp", prefix_cache_mb=0, history_tokens=0,
-                                           eagle_dir=config.eagle))
+                                           eagle_dir=config.eagle, eagle_depth=config.eagle_depth))
 
 
 def _on_backend(loaded: LoadedModel, backend: str) -> LoadedModel:

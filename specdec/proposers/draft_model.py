@@ -81,11 +81,14 @@ class DraftRows:
 
 
 def draft_chain(logits: torch.Tensor, feed: Callable[[torch.Tensor], torch.Tensor], k_max: int,
-                sampling: SamplingParams, generators: Optional[Sequence[torch.Generator]]
+                sampling: SamplingParams, generators: Optional[Sequence[torch.Generator]],
+                enough: Optional[Callable[[torch.Tensor, torch.Tensor], bool]] = None
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """k_max >= 1 tokens per row, one at a time: from logits [rows, vocab] a token per row (argmax,
-    or sampled from each row's generator), then feed(tokens [rows]) -> the next logits. -> (tokens
-    [rows, k_max], the distributions they were sampled from [rows, k_max, vocab], None when greedy)."""
+    """Up to k_max >= 1 tokens per row, one at a time: from logits [rows, vocab] a token per row
+    (argmax, or sampled from each row's generator), then feed(tokens [rows]) -> the next logits.
+    enough(logits, tokens [rows]), called after each token: True stops the chain there (the draft's
+    own figures only, so a sampled chain stays exact). -> (tokens [rows, n], the distributions
+    they were sampled from [rows, n, vocab], None when greedy), n <= k_max."""
     drafted, probs = [], []
     for step in range(k_max):
         if sampling.greedy:
@@ -95,8 +98,9 @@ def draft_chain(logits: torch.Tensor, feed: Callable[[torch.Tensor], torch.Tenso
             tok = sample_rows(p, generators)  # [rows]
             probs.append(p)
         drafted.append(tok)
-        if step + 1 < k_max:
-            logits = feed(tok)
+        if (enough is not None and enough(logits, tok)) or step + 1 == k_max:
+            break
+        logits = feed(tok)
     return torch.stack(drafted, 1), torch.stack(probs, 1) if probs else None
 
 

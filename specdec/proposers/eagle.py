@@ -21,6 +21,16 @@ The rows must have been given every feature before `start` (they are, in specula
 a context whose features leave a gap, or whose tokens before `start` differ from the row's, is
 refused (ValueError), since the draft cannot compute the target's features itself.
 
+How deep (the draft's confidence; `DepthChoice`): depth d of a chain has as its confidence the
+draft's probability of the chain's tokens before d times its top probability at d. A table
+(`ReachByConfidence`) keeps, per confidence bucket, how often drafted tokens of that confidence
+were accepted, starting from the confidence itself. A token joins the block where, judged from
+the chain up to it, a block holding it maximizes expected tokens per time on the target's
+measured verify cost (costmodel.worth_including); the chain stops where no row's next token
+could. So a CPU target verifies the likely tokens only, and a GPU one, whose forward over a few
+tokens costs about one, the whole chain; k bounds the depth. Nothing about a token's own
+choice decides whether it is sent, so a sampled chain stays exact.
+
 Loading: env.config.eagle_dir, else the draft shipped for the target in
 specdec/assets/eagle/<target name>/ (made by `specdec train eagle`). The method needs a loop that
 hands proposers the target's features (env.gives_features, else FailedPrecondition): the
@@ -30,17 +40,19 @@ runs beside the target, as Medusa's heads do, not in the draft service).
 
 from __future__ import annotations
 
+import bisect
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from specdec.costmodel import VerifyCost, verify_cost_at
-from specdec.eagle import EagleDraft, load_eagle, shipped_eagle_path
+from specdec.costmodel import VerifyCost, machine_identity, verify_cost_at, worth_including
+from specdec.eagle import EagleDraft, load_eagle, shipped_eagle_path, step_cost
 from specdec.errors import FailedPrecondition, ModelLoadError
 from specdec.proposers.base import Proposer, ProposerEnv, ProposerFactory, register
 from specdec.proposers.draft_model import DraftRows, draft_chain
-from specdec.types import Proposal, ProposeContext
+from specdec.types import Proposal, ProposeContext, Verdict
 from specdec.verify import common_prefix_len
 
 
@@ -108,18 +120,91 @@ def pad_pairs(features: Sequence[torch.Tensor], tokens: Sequence[Sequence[int]]
     return feats, ids, valid
 
 
+class ReachByConfidence:
+    """How often drafted tokens were accepted (with every token before them in their block), by
+    the draft's confidence in the chain up to them (the product of its probabilities of those
+    tokens), in buckets: the chance the depth choice weighs. Each bucket starts from the middle
+    of its confidence range as if `prior_weight` tokens had been judged (a calibrated draft's
+    figure; the shipped one's measured 0.13 at confidence 0.1-0.2, 0.32 at 0.3-0.4, 0.42 at
+    0.5-0.6 on the dev prompts), and halves its counts past `window`, so it follows what users
+    send now. Shared by the proposers of one loaded draft."""
+
+    EDGES = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+    def __init__(self, prior_weight: float = 8.0, window: float = 8192.0):
+        self.prior_weight, self.window = prior_weight, window
+        self._counts = [[0.0, 0.0] for _ in self.EDGES[:-1]]  # [accepted, judged]
+
+    def bucket(self, confidence: float) -> int:
+        return min(max(bisect.bisect_right(self.EDGES, confidence) - 1, 0), len(self._counts) - 1)
+
+    def reach(self, confidence: float) -> float:
+        b = self.bucket(confidence)
+        accepted, judged = self._counts[b]
+        prior = (self.EDGES[b] + self.EDGES[b + 1]) / 2
+        return (accepted + prior * self.prior_weight) / (judged + self.prior_weight)
+
+    def chain(self, confidences: Sequence[float]) -> list[float]:
+        """The reach of each token of a chain (non-increasing: a token is accepted only after the ones before)."""
+        out: list[float] = []
+        for conf in confidences:
+            out.append(min(self.reach(conf), out[-1] if out else 1.0))
+        return out
+
+    def record(self, confidences: Sequence[float], accepted: int) -> None:
+        """A verified chain: its tokens' confidences and how many of them the target accepted."""
+        for d, conf in enumerate(confidences):
+            counts = self._counts[self.bucket(conf)]
+            counts[0] += d < accepted
+            counts[1] += 1
+            if counts[1] > self.window:
+                counts[0] /= 2
+                counts[1] /= 2
+
+
+@dataclass
+class DepthChoice:
+    """How deep a chain goes (see the module's docstring): c, the draft's cost per drafted token
+    and v, the target's verify cost, both relative to one target step. Each token is judged
+    from the chain up to it (costmodel.worth_including), never from the tokens after it, so a
+    sampled chain stays exact. A first token found not worth verifying is still sent every
+    `probe_every`-th time, so a draft less sure of itself than it is right can show it (the
+    table learns only from what is verified)."""
+
+    c: float
+    v: VerifyCost
+    reach: ReachByConfidence = field(default_factory=ReachByConfidence)
+    probe_every: int = 8
+    _passes: int = 0
+
+    def include(self, confidences: Sequence[float], k: int) -> bool:
+        """Whether the chain's last token so far (confidences: up to it) belongs in its block of at most k."""
+        if worth_including(self.reach.chain(confidences), k, self.c, self.v):
+            return True
+        if len(confidences) == 1 and k > 0:
+            self._passes += 1
+            return self._passes % self.probe_every == 0
+        return False
+
+    def further(self, confidences: Sequence[float], k: int) -> bool:
+        """Whether a next token could belong in the block (were it as likely as the last)."""
+        return worth_including(self.reach.chain([*confidences, confidences[-1]]), k, self.c, self.v)
+
+
 class EagleProposer(Proposer):
     name = "eagle"
     needs_features = True
 
     def __init__(self, draft: EagleDraft, rows: Optional[DraftRows] = None, verify_cost: Optional[VerifyCost] = None,
-                 runs_trees: bool = False):
+                 runs_trees: bool = False, depth: Optional[DepthChoice] = None):
         """rows: the state to draft on; None: the proposer's own, following each context's rows.
         verify_cost, runs_trees: the target's measured v(k) and whether it verifies trees; where
-        a tree costs about what the chain does (tree_width), greedy steps add siblings."""
+        a tree costs about what the chain does (tree_width), greedy steps add siblings.
+        depth: how deep each chain goes by the draft's confidence; None: k tokens."""
         self.draft = draft
         self.rows = rows if rows is not None else DraftRows.empty(draft, ())
-        self.verify_cost, self.runs_trees = verify_cost, runs_trees
+        self.verify_cost, self.runs_trees, self.depth = verify_cost, runs_trees, depth
+        self._confidences: list[list[float]] = []  # per row of the last chain: its kept tokens' confidences
 
     @torch.inference_mode()
     def catch_up(self, ctx: ProposeContext) -> torch.Tensor:
@@ -157,12 +242,40 @@ class EagleProposer(Proposer):
 
         widths = [tree_width(self.verify_cost, k, self.runs_trees) if ctx.sampling.greedy else 1 for k in ctx.k]
         if max(widths) > 1:
+            self._confidences = []
             return self._tree(self.draft.logits(feature), feed, ctx.k, widths)
-        tokens, draft_probs = draft_chain(self.draft.logits(feature), feed, k_max, ctx.sampling, ctx.generators)
-        tokens = tokens.cpu()  # [rows, k_max]
-        return [Proposal(token_ids=tuple(tokens[b, :k].tolist()),
-                         draft_probs=None if draft_probs is None or k == 0 else draft_probs[b, :k])
-                for b, k in enumerate(ctx.k)]
+        # Depth d's confidence: the draft's probability of the chain's tokens before d times its
+        # top probability at d, known before d's token is chosen (so judging d by it reads nothing of d).
+        before, confidences = torch.ones(len(ctx.k)), []  # [rows]; per depth: [rows]
+        kept = [0] * len(ctx.k)  # per row: tokens that belong in its block so far
+
+        def enough(logits: torch.Tensor, tok: torch.Tensor) -> bool:
+            nonlocal before
+            probs = torch.softmax(logits.float(), -1)
+            confidences.append((before * probs.max(-1).values.cpu()).tolist())
+            before = before * probs.gather(-1, tok[:, None].to(probs.device))[:, 0].cpu()
+            d = len(confidences)
+            for b, k in enumerate(ctx.k):
+                conf = [c[b] for c in confidences]
+                if kept[b] == d - 1 and (self.depth is None or self.depth.include(conf, k)):
+                    kept[b] = min(d, k)
+            return self.depth is not None and not any(
+                kept[b] == d and self.depth.further([c[b] for c in confidences], k) for b, k in enumerate(ctx.k))
+
+        tokens, draft_probs = draft_chain(self.draft.logits(feature), feed, k_max, ctx.sampling, ctx.generators,
+                                          enough)
+        tokens = tokens.cpu()  # [rows, n]
+        self._confidences = [[c[b] for c in confidences][:n] for b, n in enumerate(kept)]
+        return [Proposal(token_ids=tuple(tokens[b, :n].tolist()),
+                         draft_probs=None if draft_probs is None or n == 0 else draft_probs[b, :n])
+                for b, n in enumerate(kept)]
+
+    def observe(self, verdicts: Sequence[Verdict]) -> None:
+        """Chains only: how many tokens of each confidence the target accepted (the depth choice's table)."""
+        if self.depth is not None and self._confidences:
+            for conf, v in zip(self._confidences, verdicts):
+                self.depth.reach.record(conf, v.num_accepted)
+        self._confidences = []  # (a step the loop runs without asking for a proposal has none)
 
     @staticmethod
     def _tree(logits: torch.Tensor, feed, ks: Sequence[int], widths: Sequence[int]) -> list[Proposal]:
@@ -198,6 +311,17 @@ def _load(env: ProposerEnv) -> ProposerFactory:
         raise FailedPrecondition("method eagle reads the target's features at every committed position, which "
                                  "this decoding loop does not hand to proposers (specdec's in-process loop does)")
     draft = eagle_for_target(env.target, env.config.eagle_dir)
-    # (the verify cost only matters where the target verifies trees: measured, or read, once here)
-    v = env.costs.verify_cost(env.target) if env.target.runs_trees and env.costs is not None else None
-    return lambda: EagleProposer(draft, verify_cost=v, runs_trees=env.target.runs_trees)
+    # (measured, or read, once here; none without a store: k tokens, chains)
+    v = env.costs.verify_cost(env.target) if env.costs is not None else None
+    depth = None
+    if v is not None and env.config.eagle_depth == "auto":
+        depth = DepthChoice(eagle_cost(env.costs, draft, env.target, env.config.eagle_dir), v)
+    return lambda: EagleProposer(draft, verify_cost=v, runs_trees=env.target.runs_trees, depth=depth)
+
+
+def eagle_cost(costs, draft: EagleDraft, target, eagle_dir: Optional[str]) -> float:
+    """c of the EAGLE draft against the target on this machine (specdec.eagle.step_cost), kept
+    in the cost store under the draft and how it drafts."""
+    key = {"figure": "eagle_cost", "machine": machine_identity(target.device), "model": target.cost_identity(),
+           "eagle": eagle_dir or "shipped", "drafting": draft.cost_identity()}
+    return float(costs.figure(key, "the EAGLE draft's cost against the target", lambda: step_cost(draft, target)))

@@ -1,0 +1,121 @@
+"""How deep EAGLE's chains go: each step drafts while one more token could pay and sends the
+target the prefix that maximizes expected tokens per time on its verify cost, by the draft's
+confidence (calibrated against the target's verdicts). Lossless as every method: greedy output
+is plain decoding's, sampling is distributed as the target's."""
+
+import pytest
+import torch
+
+from specdec.costmodel import tokens_worth_verifying, worth_including
+from specdec.decode import speculative_generate
+from specdec.eagle import build_eagle, load_eagle
+from specdec.engine import Engine, EngineConfig
+from specdec.errors import InvalidRequest
+from specdec.models import LoadedModel
+from specdec.proposers import EagleProposer, ProposerEnv, load_proposer
+from specdec.proposers.eagle import DepthChoice, ReachByConfidence
+from specdec.types import SamplingParams, StopConditions
+from tests.conftest import GPU_LIKE_COST, FixedCosts, assert_greedy_equal
+from tests.unit.test_eagle import PROMPTS, _answers, data_dir, trained_dir  # noqa: F401 (fixtures)
+from tests.unit.test_sampling_e2e import PROMPT, ROWS, _assert_fits, _histogram, _joint_probs, small_vocab_target  # noqa: F401
+
+CPU_LIKE = {1: 1.0, 2: 1.3, 3: 1.6, 4: 1.9, 5: 2.2, 9: 3.4}  # verifying a few tokens costs ~1.3-2 steps
+STEEP = {1: 1.0, 2: 1.2, 3: 1.5, 4: 1.9, 5: 2.4}
+
+
+def test_a_cpu_curve_verifies_the_likely_tokens_only_and_a_flat_one_the_whole_chain():
+    reach = [0.9, 0.5, 0.2, 0.1]
+    assert tokens_worth_verifying(reach, 0.1, CPU_LIKE) == 1  # 1.9 / 1.4 beats 2.4 / 1.8
+    assert tokens_worth_verifying([0.1], 0.1, CPU_LIKE) == 0  # 1.1 / 1.4: a plain step is faster
+    assert tokens_worth_verifying(reach, 0.0, {1: 1.0, 64: 1.0}) == 4  # verifying is free: every token
+    assert tokens_worth_verifying(reach, 0.05, {1: 1.0, 64: 1.0}) == 3  # the last adds 0.1 for 0.05 of a step
+    assert tokens_worth_verifying([], 0.1, CPU_LIKE) == 0
+
+
+def test_a_token_joins_the_block_judged_from_the_chain_up_to_it():
+    assert worth_including([0.9], 4, 0.1, CPU_LIKE)  # 1.9 / 1.4 > 1
+    assert not worth_including([0.9, 0.5], 4, 0.1, CPU_LIKE)  # even with two more at 0.5: 1.9 / 1.4 is best
+    assert not worth_including([0.1], 4, 0.1, CPU_LIKE)  # 1.1 / 1.4: a plain step is faster
+    assert worth_including([0.9, 0.5, 0.2], 4, 0.0, GPU_LIKE_COST)  # verifying is free: every token
+    assert not worth_including([0.9, 0.5, 0.2], 2, 0.0, GPU_LIKE_COST)  # beyond k
+    assert worth_including([0.6], 4, 0.0, {1: 1.0, 2: 1.7, 3: 1.75, 5: 1.8})  # alone it would not pay; with more it does
+
+
+def test_reach_starts_from_the_confidence_and_follows_the_verdicts():
+    table, steady = ReachByConfidence(prior_weight=8.0, window=64.0), ReachByConfidence(window=1e9)
+    assert table.reach(0.35) == pytest.approx(0.35)  # the middle of its bucket, 0.3-0.4
+    assert table.reach(0.0) == pytest.approx(0.01) and table.reach(1.0) == pytest.approx(0.95)
+    assert table.chain([0.95, 0.35, 0.6]) == pytest.approx([0.95, 0.35, 0.35])  # never above the token before
+    for t in (table, steady):
+        for _ in range(20):
+            t.record([0.35, 0.35], accepted=0)  # this draft is overconfident there
+        assert t.reach(0.35) < 0.1 and t.reach(0.55) == pytest.approx(0.55)
+        for _ in range(100):  # now it is right there
+            t.record([0.35], accepted=1)
+    assert table.reach(0.35) > 0.75 and table.reach(0.35) > steady.reach(0.35) + 0.05  # past the window old counts fade
+
+
+def test_config_refuses_an_unknown_eagle_depth():
+    with pytest.raises(InvalidRequest, match="eagle_depth"):
+        EngineConfig(eagle_depth="deep")
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_chains_by_confidence_equal_plain_and_verify_fewer_tokens_on_a_cpu_curve(tiny_target, trained_dir, k):
+    draft = load_eagle(trained_dir, tiny_target)
+    rows = _answers(tiny_target, 4, seed=1)  # prompts like its training data: accepted often enough to draft
+    prompts = [r["prompt_ids"] for r in rows] + PROMPTS
+    stop = StopConditions(max_new_tokens=24, eos_token_ids=(10_000,))
+    full = speculative_generate(tiny_target, EagleProposer(draft), prompts, stop=stop, k=k)
+    depth = DepthChoice(c=0.05, v=CPU_LIKE)
+    got = speculative_generate(tiny_target, EagleProposer(draft, depth=depth), prompts, stop=stop, k=k)
+    for p, g, f in zip(prompts, got, full):
+        assert_greedy_equal(tiny_target, p, g.token_ids, f.token_ids)
+    drafted, accepted = (sum(r.stats.drafted for r in got), sum(r.stats.accepted for r in got))
+    full_drafted, full_accepted = (sum(r.stats.drafted for r in full), sum(r.stats.accepted for r in full))
+    assert 0 < drafted < full_drafted and accepted > 0
+    assert accepted / drafted > full_accepted / full_drafted  # it drops the tokens unlikely to be accepted
+    assert sum(depth.reach._counts[b][1] for b in range(len(depth.reach._counts))) == drafted  # every verdict learnt
+
+
+def test_chains_by_confidence_draft_k_tokens_where_verifying_is_free(tiny_target, trained_dir):
+    draft = load_eagle(trained_dir, tiny_target)
+    stop = StopConditions(max_new_tokens=16, eos_token_ids=(10_000,))
+    got = speculative_generate(tiny_target, EagleProposer(draft, depth=DepthChoice(c=0.0, v=GPU_LIKE_COST)),
+                               PROMPTS, stop=stop, k=3)
+    full = speculative_generate(tiny_target, EagleProposer(draft), PROMPTS, stop=stop, k=3)
+    assert [r.stats.drafted for r in got] == [r.stats.drafted for r in full]
+
+
+def test_sampled_chains_by_confidence_are_distributed_as_the_target(small_vocab_target):
+    """The stop reads the draft's own figures and earlier verdicts only: rejection sampling stays exact."""
+    lm = small_vocab_target
+    sampling = SamplingParams(temperature=1.0, seed=21)
+    proposer = EagleProposer(build_eagle(lm, torch.arange(6)), depth=DepthChoice(c=0.0, v=STEEP))
+    results = speculative_generate(lm, proposer, [PROMPT] * ROWS, sampling=sampling,
+                                   stop=StopConditions(max_new_tokens=3), k=3)
+    drafted = sum(r.stats.drafted for r in results)
+    assert sum(r.stats.accepted for r in results) > 0, "the draft never got accepted: the test checks nothing"
+    assert 0 < drafted < 3 * sum(r.stats.target_forwards - 1 for r in results), "no chain was cut short"
+    _assert_fits(_histogram(results), _joint_probs(lm, sampling))
+
+
+def test_the_engine_chooses_depth_by_confidence_unless_told_k(tiny_target, trained_dir):
+    class Costs(FixedCosts):  # the draft's step cost as given, not this host's
+        def figure(self, key, what, measure, timed=True):
+            return 0.05 if key["figure"] == "eagle_cost" else super().figure(key, what, measure, timed)
+
+    def proposer(depth: str):
+        env = ProposerEnv(tiny_target, EngineConfig(eagle_dir=str(trained_dir), eagle_depth=depth),
+                          costs=Costs(CPU_LIKE), load_draft=lambda: None, gives_features=True)
+        return load_proposer("eagle", env)()
+
+    auto = proposer("auto")
+    assert auto.depth is not None and auto.depth.c == 0.05 and auto.depth.v == CPU_LIKE
+    assert proposer("k").depth is None
+    engine = Engine.from_models(LoadedModel(tiny_target, None, "tiny"), costs=Costs(CPU_LIKE),
+                                config=EngineConfig(eagle_dir=str(trained_dir)))
+    stop = StopConditions(max_new_tokens=16, eos_token_ids=(10_000,))
+    [got] = engine.generate_ids([PROMPTS[0]], "eagle", stop=stop, k=4)
+    [want] = engine.generate_ids([PROMPTS[0]], "plain", stop=stop)
+    assert_greedy_equal(tiny_target, PROMPTS[0], got.token_ids, want.token_ids)
