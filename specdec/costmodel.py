@@ -82,19 +82,19 @@ def predicted_speedup(alpha: float, k: int, c: float, v: VerifyCost) -> float:
     return expected_tokens(alpha, k) / (k * c + verify_cost_at(v, k + 1))
 
 
+def block_rate(reach: Sequence[float], c: float, v: VerifyCost) -> float:
+    """Expected emitted tokens per time (in target steps) of a block of the len(reach) drafted
+    tokens, reach[d] the estimated chance that its first d + 1 are all accepted: (1 + sum(reach))
+    / (n*c + v(n + 1)). An empty block (a plain step) is worth 1 / v(1)."""
+    return (1.0 + sum(reach)) / (len(reach) * c + verify_cost_at(v, len(reach) + 1))
+
+
 def tokens_worth_verifying(reach: Sequence[float], c: float, v: VerifyCost) -> int:
-    """How many of a drafted chain's tokens to verify: the n maximizing (1 + sum(reach[:n])) /
-    (n*c + v(n + 1)), where reach[d] is the estimated chance that the chain's first d + 1 tokens
-    are all accepted (non-increasing), i.e. the expected emitted tokens per time of a block of n
-    (0: a plain step, worth 1). The smallest n on ties. c: as in predicted_speedup (the drafting
-    is charged for the n tokens kept)."""
-    best, best_rate, expected = 0, 1.0 / verify_cost_at(v, 1), 1.0
-    for n, r in enumerate(reach, start=1):
-        expected += r
-        rate = expected / (n * c + verify_cost_at(v, n + 1))
-        if rate > best_rate + 1e-12:
-            best, best_rate = n, rate
-    return best
+    """How many of a drafted chain's tokens to verify: the n maximizing block_rate(reach[:n], c, v)
+    (reach non-increasing; 0: a plain step). The smallest n on ties. c: as in predicted_speedup
+    (the drafting is charged for the n tokens kept)."""
+    rates = [block_rate(reach[:n], c, v) for n in range(len(reach) + 1)]
+    return max(range(len(rates)), key=lambda n: (rates[n] - 1e-12 * n, -n))
 
 
 def worth_including(reach: Sequence[float], k: int, c: float, v: VerifyCost) -> bool:

@@ -206,7 +206,7 @@ class Engine:
         """What a method's acceptance record is kept under beside the method (its draft, heads or
         EAGLE directory as configured; "" for the shipped one)."""
         return {"draft": self.config.draft, "medusa": self.config.medusa_heads,
-                "eagle": self.config.eagle_dir}.get(method) or ""
+                "eagle": self.config.eagle_dir, "eagle-lookup": self.config.eagle_dir}.get(method) or ""
 
     def k_schedule(self, method: str, k: "KSchedule | int | str") -> KSchedule | int:
         """k as given, or for "auto": for draft and prompt-lookup, the cost-aware schedule from

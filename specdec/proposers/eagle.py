@@ -304,18 +304,25 @@ def eagle_for_target(target, eagle_dir: Optional[str]) -> EagleDraft:
     return load_eagle(path, target)
 
 
-@register("eagle")
-def _load(env: ProposerEnv) -> ProposerFactory:
-    """The draft is loaded once; each request or session gets a proposer with its own rows."""
+def eagle_parts(env: ProposerEnv) -> tuple[EagleDraft, Optional[VerifyCost], Optional[DepthChoice]]:
+    """What EAGLE's proposers share, loaded once: the draft, the target's verify cost (measured,
+    or read, once here; none without a cost store) and the depth choice (none without a verify
+    cost, or where env.config.eagle_depth is "k": k tokens)."""
     if not env.gives_features:
         raise FailedPrecondition("method eagle reads the target's features at every committed position, which "
                                  "this decoding loop does not hand to proposers (specdec's in-process loop does)")
     draft = eagle_for_target(env.target, env.config.eagle_dir)
-    # (measured, or read, once here; none without a store: k tokens, chains)
     v = env.costs.verify_cost(env.target) if env.costs is not None else None
     depth = None
     if v is not None and env.config.eagle_depth == "auto":
         depth = DepthChoice(eagle_cost(env.costs, draft, env.target, env.config.eagle_dir), v)
+    return draft, v, depth
+
+
+@register("eagle")
+def _load(env: ProposerEnv) -> ProposerFactory:
+    """The draft is loaded once; each request or session gets a proposer with its own rows."""
+    draft, v, depth = eagle_parts(env)
     return lambda: EagleProposer(draft, verify_cost=v, runs_trees=env.target.runs_trees, depth=depth)
 
 

@@ -13,10 +13,16 @@ from specdec.types import Proposal, ProposeContext
 def find_continuation(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> tuple[int, ...]:
     """Up to k tokens that followed the latest earlier match of the longest matching suffix n-gram
     (n from max_ngram down to min_ngram). Empty when nothing matches."""
+    return longest_match(tokens, k, max_ngram, min_ngram)[1]
+
+
+def longest_match(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> tuple[int, tuple[int, ...]]:
+    """find_continuation's continuation with the n of the n-gram it followed -> (n, tokens); (0, ())
+    when nothing matches."""
     tokens = tuple(tokens)
     n_tokens = len(tokens)
     if k <= 0:
-        return ()
+        return 0, ()
     for n in range(min(max_ngram, n_tokens - 1), min_ngram - 1, -1):
         pattern = tokens[n_tokens - n :]
         # Latest start first; a match must end before the suffix itself starts.
@@ -24,8 +30,8 @@ def find_continuation(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngr
             if tokens[start] == pattern[0] and tokens[start : start + n] == pattern:
                 cont = tuple(tokens[start + n : start + n + k])
                 if cont:
-                    return cont
-    return ()
+                    return n, cont
+    return 0, ()
 
 
 class PromptLookupProposer(Proposer):

@@ -14,6 +14,7 @@ from specdec.errors import InvalidRequest
 from specdec.models import LoadedModel
 from specdec.proposers import EagleProposer, ProposerEnv, load_proposer
 from specdec.proposers.eagle import DepthChoice, ReachByConfidence
+from specdec.proposers.eagle_lookup import EagleLookupProposer, LookupReach
 from specdec.types import SamplingParams, StopConditions
 from tests.conftest import GPU_LIKE_COST, FixedCosts, assert_greedy_equal
 from tests.unit.test_eagle import PROMPTS, _answers, data_dir, trained_dir  # noqa: F401 (fixtures)
@@ -119,3 +120,52 @@ def test_the_engine_chooses_depth_by_confidence_unless_told_k(tiny_target, train
     [got] = engine.generate_ids([PROMPTS[0]], "eagle", stop=stop, k=4)
     [want] = engine.generate_ids([PROMPTS[0]], "plain", stop=stop)
     assert_greedy_equal(tiny_target, PROMPTS[0], got.token_ids, want.token_ids)
+
+
+# --- EAGLE with prompt lookup beside it ---------------------------------------------------------
+
+def test_lookup_reach_starts_from_its_prior_per_match_length_and_learns():
+    table = LookupReach(prior_weight=8.0)
+    assert table.chain(3, 3) == pytest.approx([0.45, 0.45 ** 2, 0.45 ** 3])
+    for _ in range(50):
+        table.record(1, drafted=2, accepted=2)  # 1-gram matches right every time here
+    assert table.alpha(1) > 0.9 and table.alpha(2) == pytest.approx(0.3)
+
+
+def test_a_copying_prompt_sends_lookup_s_chain_and_stays_plain_decoding(tiny_target, trained_dir):
+    """A prompt that repeats itself: the tokens after the repeated part are the prompt's own
+    continuation, which lookup drafts and the target accepts; output equals plain decoding."""
+    draft = load_eagle(trained_dir, tiny_target)
+    stop = StopConditions(max_new_tokens=24, eos_token_ids=(10_000,))
+    [plain] = speculative_generate(tiny_target, EagleProposer(draft), [PROMPTS[2]], stop=stop, k=1)
+    cycle = PROMPTS[2] + list(plain.token_ids)  # the target's own answer follows the prompt: copy it
+    prompt = cycle + PROMPTS[2]
+    depth = DepthChoice(c=0.05, v=CPU_LIKE)
+    hybrid = EagleLookupProposer(draft, depth=depth)
+    [got] = speculative_generate(tiny_target, hybrid, [prompt], stop=stop, k=4)
+    [eagle] = speculative_generate(tiny_target, EagleProposer(draft, depth=DepthChoice(c=0.05, v=CPU_LIKE)),
+                                   [prompt], stop=stop, k=4)
+    assert_greedy_equal(tiny_target, prompt, got.token_ids, eagle.token_ids)
+    judged = sum(c[1] for c in hybrid.lookup._counts.values())
+    assert judged > 0, "lookup's chain was never sent"
+    assert got.stats.target_forwards < eagle.stats.target_forwards  # the copy is cheaper than EAGLE's guesses
+
+
+def test_eagle_lookup_runs_through_the_engine_and_sampling_stays_with_eagle(tiny_target, trained_dir):
+    class Costs(FixedCosts):
+        def figure(self, key, what, measure, timed=True):
+            return 0.05 if key["figure"] == "eagle_cost" else super().figure(key, what, measure, timed)
+
+    engine = Engine.from_models(LoadedModel(tiny_target, None, "tiny"), costs=Costs(CPU_LIKE),
+                                config=EngineConfig(eagle_dir=str(trained_dir)))
+    prompt, stop = PROMPTS[0] * 3, StopConditions(max_new_tokens=16, eos_token_ids=(10_000,))
+    [got] = engine.generate_ids([prompt], "eagle-lookup", stop=stop, k=4)
+    [want] = engine.generate_ids([prompt], "plain", stop=stop)
+    assert_greedy_equal(tiny_target, prompt, got.token_ids, want.token_ids)
+    proposer = engine.proposer_factory("eagle-lookup")()
+    judged = lambda: sum(c[1] for c in proposer.lookup._counts.values())  # noqa: E731 (shared by the method's proposers)
+    before = judged()
+    assert before > 0  # the greedy run above sent lookup's chain
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    [s] = speculative_generate(tiny_target, proposer, [prompt], sampling=sampled, stop=stop, k=4)
+    assert s.stats.drafted > 0 and judged() == before  # a sampled row drafts with EAGLE alone

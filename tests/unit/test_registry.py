@@ -22,7 +22,7 @@ def _generate_choices():
 
 def test_cli_method_choices_are_the_registry():
     assert list(_generate_choices()) == ["auto", *method_names()]  # auto: the engine picks one of them
-    assert set(method_names()) == {"plain", "draft", "prompt-lookup", "medusa", "lookahead", "eagle"}
+    assert set(method_names()) == {"plain", "draft", "prompt-lookup", "medusa", "lookahead", "eagle", "eagle-lookup"}
 
 
 def test_every_registered_proposer_says_whether_it_needs_the_hidden_state(tiny_target, tiny_draft, tmp_path):
@@ -52,4 +52,4 @@ def test_unknown_method_is_refused(tiny_target, tmp_path):
 def test_target_service_offers_every_method_that_loads_without_a_draft(tiny_target):
     # No draft runs on the target service, the tiny target has no Medusa heads, and the service's
     # Decode hands proposers no target features (EAGLE reads them).
-    assert set(discover_methods(tiny_target)) == set(PROPOSERS) - {"draft", "medusa", "eagle"}
+    assert set(discover_methods(tiny_target)) == set(PROPOSERS) - {"draft", "medusa", "eagle", "eagle-lookup"}

@@ -1,0 +1,100 @@
+"""EAGLE with prompt lookup beside it (method "eagle-lookup"). Each greedy step, a row whose
+context ends in an n-gram met earlier in it has two chains to send: the tokens that followed the
+match (free to make) and EAGLE's (its depth chosen by confidence, see specdec.proposers.eagle).
+The one with the higher expected tokens per time on the target's measured verify cost goes
+(costmodel.block_rate), each weighed by its own measured acceptance: lookup's per length of the
+match, EAGLE's per confidence. Summaries, RAG answers and edits copy their prompt, where lookup
+is right far more often than a small draft; elsewhere EAGLE drafts.
+
+Sampling rows send EAGLE's chain alone: choosing between the two by figures of a sampled chain
+would bias what it samples. Without a verify cost to weigh them by (no cost store, or
+eagle_depth "k"), it drafts as EAGLE does. EAGLE's state follows whatever chain was verified
+(it is handed the target's features of the accepted tokens either way).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from specdec.costmodel import block_rate, tokens_worth_verifying
+from specdec.proposers.base import ProposerEnv, ProposerFactory, register
+from specdec.proposers.eagle import EagleProposer, eagle_parts
+from specdec.proposers.prompt_lookup import longest_match
+from specdec.step_choice import judged_tokens
+from specdec.types import Proposal, ProposeContext, Verdict
+
+
+class LookupReach:
+    """How often prompt lookup's drafted tokens were accepted, per token judged (accepted, or the
+    first rejected of a block), by the length n of the n-gram the continuation followed; each
+    length starts from `PRIOR` as if `prior_weight` tokens had been judged, halved past `window`."""
+
+    PRIOR = {1: 0.15, 2: 0.3, 3: 0.45}  # prompt lookup on the dev prompts: 0.25-0.77 by category, most from 3-grams
+
+    def __init__(self, max_ngram: int = 3, prior_weight: float = 8.0, window: float = 4096.0):
+        self.prior_weight, self.window = prior_weight, window
+        self._counts = {n: [0.0, 0.0] for n in range(1, max_ngram + 1)}  # [accepted, judged]
+
+    def alpha(self, n: int) -> float:
+        accepted, judged = self._counts[n]
+        prior = self.PRIOR.get(n, max(self.PRIOR.values()))
+        return (accepted + prior * self.prior_weight) / (judged + self.prior_weight)
+
+    def chain(self, n: int, length: int) -> list[float]:
+        """The reach of each of `length` tokens following an n-gram match (every one before accepted too)."""
+        a = self.alpha(n)
+        return [a ** (d + 1) for d in range(length)]
+
+    def record(self, n: int, drafted: int, accepted: int) -> None:
+        counts = self._counts[n]
+        counts[0] += accepted
+        counts[1] += judged_tokens(drafted, accepted)
+        if counts[1] > self.window:
+            counts[0] /= 2
+            counts[1] /= 2
+
+
+class EagleLookupProposer(EagleProposer):
+    name = "eagle-lookup"
+
+    def __init__(self, *args, lookup: Optional[LookupReach] = None, max_ngram: int = 3, **kwargs):
+        """As EagleProposer; lookup: the acceptance table of lookup's chains (shared by the proposers of one draft)."""
+        super().__init__(*args, **kwargs)
+        self.lookup = lookup if lookup is not None else LookupReach(max_ngram)
+        self.max_ngram = max_ngram
+        self._matched: list[int] = []  # per row of the last proposal: the n-gram length of lookup's chain sent, 0: EAGLE's
+
+    def propose(self, ctx: ProposeContext) -> list[Proposal]:
+        proposals = super().propose(ctx)
+        self._matched = [0] * len(proposals)
+        if not ctx.sampling.greedy or self.depth is None or not self._confidences:  # (trees: not chains)
+            return proposals
+        v, c = self.depth.v, self.depth.c
+        for b, (toks, k) in enumerate(zip(ctx.token_ids, ctx.k)):
+            n, cont = longest_match(toks, k, self.max_ngram)
+            if not cont:
+                continue
+            reach = self.lookup.chain(n, len(cont))
+            keep = tokens_worth_verifying(reach, 0.0, v)
+            eagle = self.depth.reach.chain(self._confidences[b])
+            if keep and block_rate(reach[:keep], 0.0, v) > block_rate(eagle, c, v):
+                proposals[b] = Proposal(token_ids=cont[:keep])
+                self._confidences[b] = []  # (EAGLE's table learns nothing from this row's verdict)
+                self._matched[b] = n
+        return proposals
+
+    def observe(self, verdicts: Sequence[Verdict]) -> None:
+        for n, v in zip(self._matched, verdicts):
+            if n:
+                self.lookup.record(n, v.num_drafted, v.num_accepted)
+        self._matched = []
+        super().observe(verdicts)
+
+
+@register("eagle-lookup")
+def _load(env: ProposerEnv) -> ProposerFactory:
+    """EAGLE's draft, verify cost and depth choice (eagle_parts), one lookup table for every proposer."""
+    draft, v, depth = eagle_parts(env)
+    lookup = LookupReach()
+    return lambda: EagleLookupProposer(draft, verify_cost=v, runs_trees=env.target.runs_trees, depth=depth,
+                                       lookup=lookup)
