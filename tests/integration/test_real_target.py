@@ -77,17 +77,22 @@ def test_incremental_text_equals_the_real_tokenizers_whole_decoding(real, plain)
             i += step
 
 
-@pytest.mark.parametrize("tree", [False, True])
-def test_shipped_eagle_draft_is_lossless_on_the_real_target(real, prompts, plain, tree):
-    """The EAGLE draft shipped for the embedded target, as a chain and as a tree (siblings at each
-    depth, as on a GPU's flat verify cost), reproduces plain decoding token for token."""
+@pytest.mark.parametrize("way", ["chain", "tree", "by-confidence-with-lookup"])
+def test_shipped_eagle_draft_is_lossless_on_the_real_target(real, prompts, plain, way):
+    """The EAGLE draft shipped for the embedded target, as a chain, as a tree (siblings at each
+    depth, as on a GPU's flat verify cost), and as eagle-lookup with its depth chosen by confidence
+    on a CPU-like verify cost, reproduces plain decoding token for token."""
     from specdec.eagle import load_eagle, shipped_eagle_path
     from specdec.models import DEFAULT_TARGET
-    from specdec.proposers import EagleProposer
+    from specdec.proposers import EagleLookupProposer, EagleProposer
+    from specdec.proposers.eagle import DepthChoice
     from tests.conftest import GPU_LIKE_COST
 
     draft = load_eagle(shipped_eagle_path(DEFAULT_TARGET), real.lm)
-    proposer = EagleProposer(draft, verify_cost=GPU_LIKE_COST, runs_trees=True) if tree else EagleProposer(draft)
+    proposer = {"chain": lambda: EagleProposer(draft),
+                "tree": lambda: EagleProposer(draft, verify_cost=GPU_LIKE_COST, runs_trees=True),
+                "by-confidence-with-lookup": lambda: EagleLookupProposer(
+                    draft, depth=DepthChoice(c=0.15, v={1: 1.0, 2: 1.2, 3: 1.5, 5: 2.1}))}[way]()
     stop = StopConditions(max_new_tokens=32, eos_token_ids=real.lm.eos_token_ids)
     got = [speculative_generate(real.lm, proposer, [p], stop=stop, k=4)[0] for p in prompts]
     for p, g, w in zip(prompts, got, plain):
