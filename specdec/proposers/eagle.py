@@ -122,8 +122,8 @@ def pad_pairs(features: Sequence[torch.Tensor], tokens: Sequence[Sequence[int]]
 
 class ReachByConfidence:
     """How often drafted tokens were accepted (with every token before them in their block), by
-    the draft's confidence in the chain up to them (the product of its probabilities of those
-    tokens), in buckets: the chance the depth choice weighs. Each bucket starts from the middle
+    the draft's confidence at their depth (see the module's docstring), in buckets: the chance
+    the depth choice weighs. Each bucket starts from the middle
     of its confidence range as if `prior_weight` tokens had been judged (a calibrated draft's
     figure; the shipped one's measured 0.13 at confidence 0.1-0.2, 0.32 at 0.3-0.4, 0.42 at
     0.5-0.6 on the dev prompts), and halves its counts past `window`, so it follows what users

@@ -20,38 +20,51 @@ from specdec.costmodel import block_rate, tokens_worth_verifying
 from specdec.proposers.base import ProposerEnv, ProposerFactory, register
 from specdec.proposers.eagle import EagleProposer, eagle_parts
 from specdec.proposers.prompt_lookup import longest_match
-from specdec.step_choice import judged_tokens
 from specdec.types import Proposal, ProposeContext, Verdict
 
 
 class LookupReach:
-    """How often prompt lookup's drafted tokens were accepted, per token judged (accepted, or the
-    first rejected of a block), by the length n of the n-gram the continuation followed; each
-    length starts from `PRIOR` as if `prior_weight` tokens had been judged, halved past `window`."""
+    """How often prompt lookup's drafted tokens were accepted, by the length n of the n-gram the
+    continuation followed and by depth: per depth d, the rate at which token d was accepted where
+    every token before it was (a copied span tends to go on being copied, so deeper tokens are
+    accepted more often than the first; a geometric rate would cut such chains short). Each rate
+    starts from `PRIOR[n]` as if `prior_weight` tokens had been judged; halved past `window`."""
 
     PRIOR = {1: 0.15, 2: 0.3, 3: 0.45}  # prompt lookup on the dev prompts: 0.25-0.77 by category, most from 3-grams
 
-    def __init__(self, max_ngram: int = 3, prior_weight: float = 8.0, window: float = 4096.0):
+    def __init__(self, max_ngram: int = 3, depths: int = 16, prior_weight: float = 4.0, window: float = 4096.0):
         self.prior_weight, self.window = prior_weight, window
-        self._counts = {n: [0.0, 0.0] for n in range(1, max_ngram + 1)}  # [accepted, judged]
+        # n -> per depth [accepted, judged]
+        self._counts = {n: [[0.0, 0.0] for _ in range(depths)] for n in range(1, max_ngram + 1)}
 
-    def alpha(self, n: int) -> float:
-        accepted, judged = self._counts[n]
+    def alpha(self, n: int, depth: int = 0) -> float:
+        """The rate at which a token `depth` deep is accepted where the ones before it were."""
+        rows = self._counts[n]
+        accepted, judged = rows[min(depth, len(rows) - 1)]
         prior = self.PRIOR.get(n, max(self.PRIOR.values()))
         return (accepted + prior * self.prior_weight) / (judged + self.prior_weight)
 
     def chain(self, n: int, length: int) -> list[float]:
         """The reach of each of `length` tokens following an n-gram match (every one before accepted too)."""
-        a = self.alpha(n)
-        return [a ** (d + 1) for d in range(length)]
+        out, reach = [], 1.0
+        for d in range(length):
+            reach *= self.alpha(n, d)
+            out.append(reach)
+        return out
+
+    def judged(self) -> float:
+        """Tokens judged so far (halvings included)."""
+        return sum(c[1] for rows in self._counts.values() for c in rows)
 
     def record(self, n: int, drafted: int, accepted: int) -> None:
-        counts = self._counts[n]
-        counts[0] += accepted
-        counts[1] += judged_tokens(drafted, accepted)
-        if counts[1] > self.window:
-            counts[0] /= 2
-            counts[1] /= 2
+        rows = self._counts[n]
+        for d in range(min(drafted, accepted + 1)):  # the accepted ones and the first rejected
+            counts = rows[min(d, len(rows) - 1)]
+            counts[0] += d < accepted
+            counts[1] += 1
+            if counts[1] > self.window:
+                counts[0] /= 2
+                counts[1] /= 2
 
 
 class EagleLookupProposer(EagleProposer):
@@ -69,15 +82,15 @@ class EagleLookupProposer(EagleProposer):
         self._matched = [0] * len(proposals)
         if not ctx.sampling.greedy or self.depth is None or not self._confidences:  # (trees: not chains)
             return proposals
-        v, c = self.depth.v, self.depth.c
+        v = self.depth.v
         for b, (toks, k) in enumerate(zip(ctx.token_ids, ctx.k)):
             n, cont = longest_match(toks, k, self.max_ngram)
             if not cont:
                 continue
             reach = self.lookup.chain(n, len(cont))
             keep = tokens_worth_verifying(reach, 0.0, v)
-            eagle = self.depth.reach.chain(self._confidences[b])
-            if keep and block_rate(reach[:keep], 0.0, v) > block_rate(eagle, c, v):
+            eagle = self.depth.reach.chain(self._confidences[b])  # (its drafting is spent: no c)
+            if keep and block_rate(reach[:keep], 0.0, v) > block_rate(eagle, 0.0, v):
                 proposals[b] = Proposal(token_ids=cont[:keep])
                 self._confidences[b] = []  # (EAGLE's table learns nothing from this row's verdict)
                 self._matched[b] = n

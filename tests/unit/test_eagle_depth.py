@@ -124,12 +124,17 @@ def test_the_engine_chooses_depth_by_confidence_unless_told_k(tiny_target, train
 
 # --- EAGLE with prompt lookup beside it ---------------------------------------------------------
 
-def test_lookup_reach_starts_from_its_prior_per_match_length_and_learns():
-    table = LookupReach(prior_weight=8.0)
+def test_lookup_reach_starts_from_its_prior_per_match_length_and_learns_per_depth():
+    table = LookupReach(prior_weight=4.0)
     assert table.chain(3, 3) == pytest.approx([0.45, 0.45 ** 2, 0.45 ** 3])
     for _ in range(50):
-        table.record(1, drafted=2, accepted=2)  # 1-gram matches right every time here
+        table.record(1, drafted=4, accepted=4)  # 1-gram matches copied every time here
     assert table.alpha(1) > 0.9 and table.alpha(2) == pytest.approx(0.3)
+    for _ in range(50):  # a copy whose first token is a coin flip, but which then goes on being copied
+        table.record(3, drafted=4, accepted=0)
+        table.record(3, drafted=4, accepted=4)
+    assert table.alpha(3, 0) == pytest.approx(0.5, abs=0.02) and table.alpha(3, 1) > 0.9 and table.alpha(3, 3) > 0.9
+    assert table.chain(3, 4)[-1] > 0.4  # geometric at the first token's rate would say 0.06
 
 
 def test_a_copying_prompt_sends_lookup_s_chain_and_stays_plain_decoding(tiny_target, trained_dir):
@@ -146,8 +151,7 @@ def test_a_copying_prompt_sends_lookup_s_chain_and_stays_plain_decoding(tiny_tar
     [eagle] = speculative_generate(tiny_target, EagleProposer(draft, depth=DepthChoice(c=0.05, v=CPU_LIKE)),
                                    [prompt], stop=stop, k=4)
     assert_greedy_equal(tiny_target, prompt, got.token_ids, eagle.token_ids)
-    judged = sum(c[1] for c in hybrid.lookup._counts.values())
-    assert judged > 0, "lookup's chain was never sent"
+    assert hybrid.lookup.judged() > 0, "lookup's chain was never sent"
     assert got.stats.target_forwards < eagle.stats.target_forwards  # the copy is cheaper than EAGLE's guesses
 
 
@@ -163,9 +167,8 @@ def test_eagle_lookup_runs_through_the_engine_and_sampling_stays_with_eagle(tiny
     [want] = engine.generate_ids([prompt], "plain", stop=stop)
     assert_greedy_equal(tiny_target, prompt, got.token_ids, want.token_ids)
     proposer = engine.proposer_factory("eagle-lookup")()
-    judged = lambda: sum(c[1] for c in proposer.lookup._counts.values())  # noqa: E731 (shared by the method's proposers)
-    before = judged()
+    before = proposer.lookup.judged()  # (shared by the method's proposers)
     assert before > 0  # the greedy run above sent lookup's chain
     sampled = SamplingParams(temperature=1.0, seed=3)
     [s] = speculative_generate(tiny_target, proposer, [prompt], sampling=sampled, stop=stop, k=4)
-    assert s.stats.drafted > 0 and judged() == before  # a sampled row drafts with EAGLE alone
+    assert s.stats.drafted > 0 and proposer.lookup.judged() == before  # a sampled row drafts with EAGLE alone
