@@ -177,7 +177,7 @@ class Engine:
         """method as given, or for "auto": the method the cost model predicts fastest from the
         target's measured verify cost (costmodel.choose_method), if it clears the margin, else
         plain: prompt lookup at its acceptance in earlier runs here (a half until it has run),
-        and the draft and the EAGLE draft once they have run here (their measured acceptance
+        and the draft, EAGLE and eagle-lookup once they have run here (their measured acceptance
         and cost c). Their k auto then follows each row's real acceptance. On a compute-bound
         backend (llama.cpp on a CPU: a forward over k tokens costs ~k single steps) speculation
         cannot pay and auto never probes for it."""
@@ -190,9 +190,10 @@ class Engine:
         draft_alpha = self.costs.acceptance(lm, "draft", self._proposer_name("draft"))
         if draft_alpha is not None:  # the draft has run here before: its measured acceptance and cost
             candidates["draft"] = (draft_alpha, self.costs.draft_cost(self.require_draft().lm, lm))
-        eagle_alpha = self.costs.acceptance(lm, "eagle", self._proposer_name("eagle"))
-        if eagle_alpha is not None:  # so has the EAGLE draft: its acceptance, and its step's cost
-            candidates["eagle"] = (eagle_alpha, self._eagle_cost())
+        for name in ("eagle", "eagle-lookup"):  # so has the EAGLE draft: its acceptance, and its step's cost
+            alpha = self.costs.acceptance(lm, name, self._proposer_name(name))
+            if alpha is not None:
+                candidates[name] = (alpha, self._eagle_cost())
         return choose_method(v, candidates)
 
     def _eagle_cost(self) -> float:

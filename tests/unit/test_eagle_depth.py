@@ -172,3 +172,21 @@ def test_eagle_lookup_runs_through_the_engine_and_sampling_stays_with_eagle(tiny
     sampled = SamplingParams(temperature=1.0, seed=3)
     [s] = speculative_generate(tiny_target, proposer, [prompt], sampling=sampled, stop=stop, k=4)
     assert s.stats.drafted > 0 and proposer.lookup.judged() == before  # a sampled row drafts with EAGLE alone
+
+
+def test_auto_weighs_eagle_lookup_once_it_has_run_here(tiny_target, trained_dir):
+    class Costs(FixedCosts):  # a GPU-like verify cost and the draft's step cost as given, not this host's
+        def figure(self, key, what, measure, timed=True):
+            return 0.1 if key["figure"] == "eagle_cost" else super().figure(key, what, measure, timed)
+
+    costs = Costs(GPU_LIKE_COST)
+    engine = Engine.from_models(LoadedModel(tiny_target, None, "tiny"), costs=costs,
+                                config=EngineConfig(eagle_dir=str(trained_dir)))
+    costs.add_acceptance(tiny_target, "prompt-lookup", drafted=1000, accepted=10)  # lookup measured poor here
+    assert engine.resolve_method("auto") == "plain"
+    costs.add_acceptance(tiny_target, "eagle-lookup", drafted=40_000, accepted=39_000, proposer=str(trained_dir))
+    assert engine.resolve_method("auto") == "eagle-lookup"
+    stop = StopConditions(max_new_tokens=16, eos_token_ids=(10_000,))
+    [got] = engine.generate_ids([PROMPTS[0]], "auto", stop=stop, k=4)
+    [want] = engine.generate_ids([PROMPTS[0]], "plain", stop=stop)
+    assert_greedy_equal(tiny_target, PROMPTS[0], got.token_ids, want.token_ids)
