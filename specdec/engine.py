@@ -210,16 +210,23 @@ class Engine:
                 "eagle": self.config.eagle_dir, "eagle-lookup": self.config.eagle_dir}.get(method) or ""
 
     def k_schedule(self, method: str, k: "KSchedule | int | str") -> KSchedule | int:
-        """k as given, or for "auto": for draft and prompt-lookup, the cost-aware schedule from
-        this machine's measured verify cost and draft cost (self.costs); for the others (whose k
-        only bounds the depth of their own proposals) 4."""
+        """k as given, or for "auto": for draft, prompt-lookup, eagle and eagle-lookup, the
+        cost-aware schedule from this machine's measured verify cost and draft cost (self.costs),
+        starting for EAGLE's from its acceptance measured here (so a row whose drafts do not pay
+        runs plain steps, its draft idle, with a probe now and then; within k EAGLE's depth still
+        follows its confidence); for the others (whose k only bounds the depth of their own
+        proposals) 4."""
         if k != "auto":
             if isinstance(k, str):
                 raise InvalidRequest(f"k must be a positive integer or 'auto', got {k!r}")
             return k
+        lm = self.target.lm
+        if method in ("eagle", "eagle-lookup"):
+            alpha = self.costs.acceptance(lm, method, self._proposer_name(method))
+            return KSchedule.cost_aware(self.costs.verify_cost(lm), self._eagle_cost(),
+                                        prior_alpha=0.5 if alpha is None else alpha)
         if method not in ("draft", "prompt-lookup"):
             return 4
-        lm = self.target.lm
         c = self.costs.draft_cost(self.require_draft().lm, lm) if method == "draft" else 0.0
         return KSchedule.cost_aware(self.costs.verify_cost(lm), c)
 

@@ -190,3 +190,31 @@ def test_auto_weighs_eagle_lookup_once_it_has_run_here(tiny_target, trained_dir)
     [got] = engine.generate_ids([PROMPTS[0]], "auto", stop=stop, k=4)
     [want] = engine.generate_ids([PROMPTS[0]], "plain", stop=stop)
     assert_greedy_equal(tiny_target, PROMPTS[0], got.token_ids, want.token_ids)
+    # k auto: the cost-aware schedule at EAGLE's step cost, from the acceptance measured here
+    schedule = engine.k_schedule("eagle-lookup", "auto")
+    assert schedule.draft_cost == 0.1 and schedule.k_min == 0 and schedule.prior_alpha > 0.9
+    [auto_k] = engine.generate_ids([PROMPTS[0]], "eagle-lookup", stop=stop, k="auto")
+    assert_greedy_equal(tiny_target, PROMPTS[0], auto_k.token_ids, want.token_ids)
+
+
+def test_k_auto_leaves_a_draft_that_cannot_pay_idle_but_for_probes(tiny_target, trained_dir):
+    """On a verify cost where a forward over two tokens costs nearly two (llama.cpp on a CPU),
+    an EAGLE draft accepted a third of the time cannot pay: k auto runs plain steps, drafting on
+    a probe now and then, and the output is plain's."""
+    class Costs(FixedCosts):
+        def figure(self, key, what, measure, timed=True):
+            return 0.15 if key["figure"] == "eagle_cost" else super().figure(key, what, measure, timed)
+
+    from tests.conftest import LLAMACPP_CPU_COST
+
+    costs = Costs(LLAMACPP_CPU_COST)
+    engine = Engine.from_models(LoadedModel(tiny_target, None, "tiny"), costs=costs,
+                                config=EngineConfig(eagle_dir=str(trained_dir)))
+    costs.add_acceptance(tiny_target, "eagle", drafted=3000, accepted=1000, proposer=str(trained_dir))
+    stop = StopConditions(max_new_tokens=32, eos_token_ids=(10_000,))
+    [got] = engine.generate_ids([PROMPTS[2]], "eagle", stop=stop, k="auto")
+    [want] = engine.generate_ids([PROMPTS[2]], "plain", stop=stop)
+    assert_greedy_equal(tiny_target, PROMPTS[2], got.token_ids, want.token_ids)
+    schedule = engine.k_schedule("eagle", "auto")
+    assert schedule.k_min == 0 and schedule.next(1, 1, 0, 0, 1, step=3) == 0  # plain steps: the draft idle
+    assert schedule.next(0, 0, 0, step=8) == 1  # but for a probe now and then
