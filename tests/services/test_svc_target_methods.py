@@ -207,6 +207,25 @@ def test_the_eagle_method_decodes_on_the_target_service_as_plain(long_target):
     assert _eagle_scenario(long_target, eagle, prompt, total) == want
 
 
+def test_eagle_lookup_decodes_on_the_target_service_as_plain(long_target):
+    """eagle-lookup in the target's Decode: on a prompt that repeats itself lookup's chain is sent
+    (and accepted), EAGLE's state follows it, and greedy output is plain's."""
+    from specdec.decode import plain_generate
+    from specdec.eagle import build_eagle
+    from specdec.proposers import EagleLookupProposer
+    from specdec.proposers.eagle import DepthChoice
+    from specdec.types import StopConditions
+
+    seed, total = [40, 41, 42, 43], 24
+    answer = list(plain_generate(long_target, [seed], stop=StopConditions(max_new_tokens=12))[0].token_ids)
+    prompt = seed + answer + seed  # the answer to its start comes again: lookup copies it
+    want = list(plain_generate(long_target, [prompt], stop=StopConditions(max_new_tokens=total))[0].token_ids)
+    hybrid = EagleLookupProposer(build_eagle(long_target, torch.arange(0, 96, 2)),
+                                 depth=DepthChoice(c=0.05, v={1: 1.0, 2: 1.2, 3: 1.4, 5: 1.8}))
+    assert _eagle_scenario(long_target, hybrid, prompt, total) == want
+    assert hybrid.lookup.judged() > 0, "lookup's chain was never sent"
+
+
 class _Counted:
     """The target, counting its forwards and prefills (each a pass over the model)."""
 
