@@ -2,8 +2,8 @@
 context ends in an n-gram met earlier in it has two chains to send: the tokens that followed the
 match (free to make) and EAGLE's (its depth chosen by confidence, see specdec.proposers.eagle).
 The one with the higher expected tokens per time on the target's measured verify cost goes
-(costmodel.block_rate), each weighed by its own measured acceptance: lookup's per length of the
-match, EAGLE's per confidence. Summaries, RAG answers and edits copy their prompt, where lookup
+(costmodel.block_rate), each weighed by its own measured acceptance: lookup's by how far back
+its match goes and by depth, EAGLE's per confidence. Summaries, RAG answers and edits copy their prompt, where lookup
 is right far more often than a small draft; elsewhere EAGLE drafts.
 
 Sampling rows send EAGLE's chain alone: choosing between the two by figures of a sampled chain
@@ -24,40 +24,45 @@ from specdec.types import Proposal, ProposeContext, Verdict
 
 
 class LookupReach:
-    """How often prompt lookup's drafted tokens were accepted, by the length n of the n-gram the
-    continuation followed and by depth: per depth d, the rate at which token d was accepted where
-    every token before it was (a copied span tends to go on being copied, so deeper tokens are
-    accepted more often than the first; a geometric rate would cut such chains short). Each rate
-    starts from `PRIOR[n]` as if `prior_weight` tokens had been judged; halved past `window`."""
+    """How often prompt lookup's drafted tokens were accepted, by the length of the match the
+    continuation followed (a span being copied matches far back; a phrase met by chance, over a
+    few tokens) and by depth: per depth d, the rate at which token d was accepted where every
+    token before it was (a copy tends to go on, so deeper tokens are accepted more often than the
+    first; a geometric rate would cut such chains short). Each rate starts from its bucket's
+    `PRIOR` as if `prior_weight` tokens had been judged; halved past `window`."""
 
-    PRIOR = {1: 0.15, 2: 0.3, 3: 0.45}  # prompt lookup on the dev prompts: 0.25-0.77 by category, most from 3-grams
+    BUCKETS = (1, 2, 3, 4, 6, 9, 16)  # lower bounds of the match lengths of each bucket
+    PRIOR = (0.15, 0.3, 0.45, 0.55, 0.65, 0.75, 0.85)
 
-    def __init__(self, max_ngram: int = 3, depths: int = 16, prior_weight: float = 4.0, window: float = 4096.0):
+    def __init__(self, depths: int = 16, prior_weight: float = 4.0, window: float = 4096.0):
         self.prior_weight, self.window = prior_weight, window
-        # n -> per depth [accepted, judged]
-        self._counts = {n: [[0.0, 0.0] for _ in range(depths)] for n in range(1, max_ngram + 1)}
+        # per bucket, per depth [accepted, judged]
+        self._counts = [[[0.0, 0.0] for _ in range(depths)] for _ in self.BUCKETS]
 
-    def alpha(self, n: int, depth: int = 0) -> float:
-        """The rate at which a token `depth` deep is accepted where the ones before it were."""
-        rows = self._counts[n]
+    def bucket(self, match: int) -> int:
+        return max((i for i, lo in enumerate(self.BUCKETS) if match >= lo), default=0)
+
+    def alpha(self, match: int, depth: int = 0) -> float:
+        """The rate at which a token `depth` deep after a match this long is accepted where the ones before it were."""
+        b = self.bucket(match)
+        rows = self._counts[b]
         accepted, judged = rows[min(depth, len(rows) - 1)]
-        prior = self.PRIOR.get(n, max(self.PRIOR.values()))
-        return (accepted + prior * self.prior_weight) / (judged + self.prior_weight)
+        return (accepted + self.PRIOR[b] * self.prior_weight) / (judged + self.prior_weight)
 
-    def chain(self, n: int, length: int) -> list[float]:
-        """The reach of each of `length` tokens following an n-gram match (every one before accepted too)."""
+    def chain(self, match: int, length: int) -> list[float]:
+        """The reach of each of `length` tokens following a match this long (every one before accepted too)."""
         out, reach = [], 1.0
         for d in range(length):
-            reach *= self.alpha(n, d)
+            reach *= self.alpha(match, d)
             out.append(reach)
         return out
 
     def judged(self) -> float:
         """Tokens judged so far (halvings included)."""
-        return sum(c[1] for rows in self._counts.values() for c in rows)
+        return sum(c[1] for rows in self._counts for c in rows)
 
-    def record(self, n: int, drafted: int, accepted: int) -> None:
-        rows = self._counts[n]
+    def record(self, match: int, drafted: int, accepted: int) -> None:
+        rows = self._counts[self.bucket(match)]
         for d in range(min(drafted, accepted + 1)):  # the accepted ones and the first rejected
             counts = rows[min(d, len(rows) - 1)]
             counts[0] += d < accepted
@@ -73,9 +78,9 @@ class EagleLookupProposer(EagleProposer):
     def __init__(self, *args, lookup: Optional[LookupReach] = None, max_ngram: int = 3, **kwargs):
         """As EagleProposer; lookup: the acceptance table of lookup's chains (shared by the proposers of one draft)."""
         super().__init__(*args, **kwargs)
-        self.lookup = lookup if lookup is not None else LookupReach(max_ngram)
+        self.lookup = lookup if lookup is not None else LookupReach()
         self.max_ngram = max_ngram
-        self._matched: list[int] = []  # per row of the last proposal: the n-gram length of lookup's chain sent, 0: EAGLE's
+        self._matched: list[int] = []  # per row of the last proposal: the match length of lookup's chain sent, 0: EAGLE's
 
     def propose(self, ctx: ProposeContext) -> list[Proposal]:
         proposals = super().propose(ctx)
@@ -84,22 +89,22 @@ class EagleLookupProposer(EagleProposer):
             return proposals
         v = self.depth.v
         for b, (toks, k) in enumerate(zip(ctx.token_ids, ctx.k)):
-            n, cont = longest_match(toks, k, self.max_ngram)
+            match, cont = longest_match(toks, k, self.max_ngram)
             if not cont:
                 continue
-            reach = self.lookup.chain(n, len(cont))
+            reach = self.lookup.chain(match, len(cont))
             keep = tokens_worth_verifying(reach, 0.0, v)
             eagle = self.depth.reach.chain(self._confidences[b])  # (its drafting is spent: no c)
             if keep and block_rate(reach[:keep], 0.0, v) > block_rate(eagle, 0.0, v):
                 proposals[b] = Proposal(token_ids=cont[:keep])
                 self._confidences[b] = []  # (EAGLE's table learns nothing from this row's verdict)
-                self._matched[b] = n
+                self._matched[b] = match
         return proposals
 
     def observe(self, verdicts: Sequence[Verdict]) -> None:
-        for n, v in zip(self._matched, verdicts):
-            if n:
-                self.lookup.record(n, v.num_drafted, v.num_accepted)
+        for match, v in zip(self._matched, verdicts):
+            if match:
+                self.lookup.record(match, v.num_drafted, v.num_accepted)
         self._matched = []
         super().observe(verdicts)
 

@@ -16,8 +16,11 @@ def find_continuation(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngr
     return longest_match(tokens, k, max_ngram, min_ngram)[1]
 
 
-def longest_match(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> tuple[int, tuple[int, ...]]:
-    """find_continuation's continuation with the n of the n-gram it followed -> (n, tokens); (0, ())
+def longest_match(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1,
+                  max_length: int = 64) -> tuple[int, tuple[int, ...]]:
+    """find_continuation's continuation with the length of the match it followed: the n-gram,
+    extended back as far as the tokens before it still agree (up to max_length; a span being
+    copied matches far back, a phrase met by chance for a few tokens) -> (length, tokens); (0, ())
     when nothing matches."""
     tokens = tuple(tokens)
     n_tokens = len(tokens)
@@ -30,7 +33,10 @@ def longest_match(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: 
             if tokens[start] == pattern[0] and tokens[start : start + n] == pattern:
                 cont = tuple(tokens[start + n : start + n + k])
                 if cont:
-                    return n, cont
+                    m = n
+                    while m < max_length and start - (m - n) > 0 and tokens[start - (m - n) - 1] == tokens[-m - 1]:
+                        m += 1
+                    return m, cont
     return 0, ()
 
 

@@ -15,6 +15,7 @@ from specdec.models import LoadedModel
 from specdec.proposers import EagleProposer, ProposerEnv, load_proposer
 from specdec.proposers.eagle import DepthChoice, ReachByConfidence
 from specdec.proposers.eagle_lookup import EagleLookupProposer, LookupReach
+from specdec.proposers.prompt_lookup import longest_match
 from specdec.types import SamplingParams, StopConditions
 from tests.conftest import GPU_LIKE_COST, FixedCosts, assert_greedy_equal
 from tests.unit.test_eagle import PROMPTS, _answers, data_dir, trained_dir  # noqa: F401 (fixtures)
@@ -127,14 +128,23 @@ def test_the_engine_chooses_depth_by_confidence_unless_told_k(tiny_target, train
 def test_lookup_reach_starts_from_its_prior_per_match_length_and_learns_per_depth():
     table = LookupReach(prior_weight=4.0)
     assert table.chain(3, 3) == pytest.approx([0.45, 0.45 ** 2, 0.45 ** 3])
+    assert table.alpha(40) == pytest.approx(0.85) and table.alpha(5) == pytest.approx(0.55)  # a long match: a copy
     for _ in range(50):
-        table.record(1, drafted=4, accepted=4)  # 1-gram matches copied every time here
+        table.record(1, drafted=4, accepted=4)  # 1-token matches copied every time here
     assert table.alpha(1) > 0.9 and table.alpha(2) == pytest.approx(0.3)
     for _ in range(50):  # a copy whose first token is a coin flip, but which then goes on being copied
         table.record(3, drafted=4, accepted=0)
         table.record(3, drafted=4, accepted=4)
     assert table.alpha(3, 0) == pytest.approx(0.5, abs=0.02) and table.alpha(3, 1) > 0.9 and table.alpha(3, 3) > 0.9
     assert table.chain(3, 4)[-1] > 0.4  # geometric at the first token's rate would say 0.06
+
+
+def test_the_match_length_is_how_far_back_the_context_agrees():
+    toks = [1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5]
+    assert longest_match(toks, 3) == (5, (9, 1, 2))  # the 3-gram 3 4 5 matches, and so do 1 2 before it
+    assert longest_match([7, 1, 2, 8, 1, 2], 2) == (2, (8, 1))
+    assert longest_match(toks, 3, max_length=4) == (4, (9, 1, 2))
+    assert longest_match([1, 2, 3], 2) == (0, ())
 
 
 def test_a_copying_prompt_sends_lookup_s_chain_and_stays_plain_decoding(tiny_target, trained_dir):
