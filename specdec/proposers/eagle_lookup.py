@@ -3,8 +3,8 @@ context ends in an n-gram met earlier in it has two chains to send: the tokens t
 match (free to make) and EAGLE's (its depth chosen by confidence, see specdec.proposers.eagle).
 The one with the higher expected tokens per time on the target's measured verify cost goes
 (costmodel.block_rate), each weighed by its own measured acceptance: lookup's by how far back
-its match goes and by depth, EAGLE's per confidence. Summaries, RAG answers and edits copy their prompt, where lookup
-is right far more often than a small draft; elsewhere EAGLE drafts.
+its match goes and by depth, EAGLE's per confidence. Summaries, RAG answers and edits copy their
+prompt, where lookup is right far more often than a small draft; elsewhere EAGLE drafts.
 
 Sampling rows send EAGLE's chain alone: choosing between the two by figures of a sampled chain
 would bias what it samples. Without a verify cost to weigh them by (no cost store, or
@@ -32,7 +32,7 @@ class LookupReach:
     `PRIOR` as if `prior_weight` tokens had been judged; halved past `window`."""
 
     BUCKETS = (1, 2, 3, 4, 6, 9, 16)  # lower bounds of the match lengths of each bucket
-    PRIOR = (0.15, 0.3, 0.45, 0.55, 0.65, 0.75, 0.85)
+    PRIOR = (0.15, 0.3, 0.45, 0.55, 0.65, 0.75, 0.85)  # a first guess per bucket; what is measured here takes over
 
     def __init__(self, depths: int = 16, prior_weight: float = 4.0, window: float = 4096.0):
         self.prior_weight, self.window = prior_weight, window
