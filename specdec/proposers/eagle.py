@@ -246,26 +246,26 @@ class EagleProposer(Proposer):
             return self._tree(self.draft.logits(feature), feed, ctx.k, widths)
         # Depth d's confidence: the draft's probability of the chain's tokens before d times its
         # top probability at d, known before d's token is chosen (so judging d by it reads nothing of d).
-        before, confidences = torch.ones(len(ctx.k)), []  # [rows]; per depth: [rows]
+        before = torch.ones(len(ctx.k))  # [rows]
+        confidences: list[list[float]] = [[] for _ in ctx.k]  # per row: per depth drafted
         kept = [0] * len(ctx.k)  # per row: tokens that belong in its block so far
 
         def enough(logits: torch.Tensor, tok: torch.Tensor) -> bool:
             nonlocal before
             probs = torch.softmax(logits.float(), -1)
-            confidences.append((before * probs.max(-1).values.cpu()).tolist())
+            for conf, c in zip(confidences, (before * probs.max(-1).values.cpu()).tolist()):
+                conf.append(c)
             before = before * probs.gather(-1, tok[:, None].to(probs.device))[:, 0].cpu()
-            d = len(confidences)
-            for b, k in enumerate(ctx.k):
-                conf = [c[b] for c in confidences]
-                if kept[b] == d - 1 and (self.depth is None or self.depth.include(conf, k)):
-                    kept[b] = min(d, k)
-            return self.depth is not None and not any(
-                kept[b] == d and self.depth.further([c[b] for c in confidences], k) for b, k in enumerate(ctx.k))
+            for b, (conf, k) in enumerate(zip(confidences, ctx.k)):
+                if kept[b] == len(conf) - 1 and (self.depth is None or self.depth.include(conf, k)):
+                    kept[b] = min(len(conf), k)
+            return self.depth is not None and not any(kept[b] == len(conf) and self.depth.further(conf, k)
+                                                      for b, (conf, k) in enumerate(zip(confidences, ctx.k)))
 
         tokens, draft_probs = draft_chain(self.draft.logits(feature), feed, k_max, ctx.sampling, ctx.generators,
                                           enough)
         tokens = tokens.cpu()  # [rows, n]
-        self._confidences = [[c[b] for c in confidences][:n] for b, n in enumerate(kept)]
+        self._confidences = [conf[:n] for conf, n in zip(confidences, kept)]
         return [Proposal(token_ids=tuple(tokens[b, :n].tolist()),
                          draft_probs=None if draft_probs is None or n == 0 else draft_probs[b, :n])
                 for b, n in enumerate(kept)]

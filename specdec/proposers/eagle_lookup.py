@@ -80,7 +80,8 @@ class EagleLookupProposer(EagleProposer):
         super().__init__(*args, **kwargs)
         self.lookup = lookup if lookup is not None else LookupReach()
         self.max_ngram = max_ngram
-        self._matched: list[int] = []  # per row of the last proposal: the match length of lookup's chain sent, 0: EAGLE's
+        # per row of the last proposal: the match length of the lookup chain sent; 0: EAGLE's chain was
+        self._matched: list[int] = []
 
     def propose(self, ctx: ProposeContext) -> list[Proposal]:
         proposals = super().propose(ctx)

@@ -19,10 +19,22 @@ from specdec.proposers.prompt_lookup import longest_match
 from specdec.types import SamplingParams, StopConditions
 from tests.conftest import GPU_LIKE_COST, FixedCosts, assert_greedy_equal
 from tests.unit.test_eagle import PROMPTS, _answers, data_dir, trained_dir  # noqa: F401 (fixtures)
-from tests.unit.test_sampling_e2e import PROMPT, ROWS, _assert_fits, _histogram, _joint_probs, small_vocab_target  # noqa: F401
+from tests.unit.test_sampling_e2e import (PROMPT, ROWS, _assert_fits, _histogram, _joint_probs,  # noqa: F401
+                                          small_vocab_target)
 
 CPU_LIKE = {1: 1.0, 2: 1.3, 3: 1.6, 4: 1.9, 5: 2.2, 9: 3.4}  # verifying a few tokens costs ~1.3-2 steps
 STEEP = {1: 1.0, 2: 1.2, 3: 1.5, 4: 1.9, 5: 2.4}
+
+
+class EagleCosts(FixedCosts):
+    """A verify-cost curve and EAGLE's step cost c as given, not this host's."""
+
+    def __init__(self, curve: dict[int, float], c: float):
+        super().__init__(curve)
+        self.c = c
+
+    def figure(self, key, what, measure, timed=True):
+        return self.c if key["figure"] == "eagle_cost" else super().figure(key, what, measure, timed)
 
 
 def test_a_cpu_curve_verifies_the_likely_tokens_only_and_a_flat_one_the_whole_chain():
@@ -40,7 +52,8 @@ def test_a_token_joins_the_block_judged_from_the_chain_up_to_it():
     assert not worth_including([0.1], 4, 0.1, CPU_LIKE)  # 1.1 / 1.4: a plain step is faster
     assert worth_including([0.9, 0.5, 0.2], 4, 0.0, GPU_LIKE_COST)  # verifying is free: every token
     assert not worth_including([0.9, 0.5, 0.2], 2, 0.0, GPU_LIKE_COST)  # beyond k
-    assert worth_including([0.6], 4, 0.0, {1: 1.0, 2: 1.7, 3: 1.75, 5: 1.8})  # alone it would not pay; with more it does
+    # alone it would not pay; with more like it, it does
+    assert worth_including([0.6], 4, 0.0, {1: 1.0, 2: 1.7, 3: 1.75, 5: 1.8})
 
 
 def test_reach_starts_from_the_confidence_and_follows_the_verdicts():
@@ -103,19 +116,15 @@ def test_sampled_chains_by_confidence_are_distributed_as_the_target(small_vocab_
 
 
 def test_the_engine_chooses_depth_by_confidence_unless_told_k(tiny_target, trained_dir):
-    class Costs(FixedCosts):  # the draft's step cost as given, not this host's
-        def figure(self, key, what, measure, timed=True):
-            return 0.05 if key["figure"] == "eagle_cost" else super().figure(key, what, measure, timed)
-
     def proposer(depth: str):
         env = ProposerEnv(tiny_target, EngineConfig(eagle_dir=str(trained_dir), eagle_depth=depth),
-                          costs=Costs(CPU_LIKE), load_draft=lambda: None, gives_features=True)
+                          costs=EagleCosts(CPU_LIKE, 0.05), load_draft=lambda: None, gives_features=True)
         return load_proposer("eagle", env)()
 
     auto = proposer("auto")
     assert auto.depth is not None and auto.depth.c == 0.05 and auto.depth.v == CPU_LIKE
     assert proposer("k").depth is None
-    engine = Engine.from_models(LoadedModel(tiny_target, None, "tiny"), costs=Costs(CPU_LIKE),
+    engine = Engine.from_models(LoadedModel(tiny_target, None, "tiny"), costs=EagleCosts(CPU_LIKE, 0.05),
                                 config=EngineConfig(eagle_dir=str(trained_dir)))
     stop = StopConditions(max_new_tokens=16, eos_token_ids=(10_000,))
     [got] = engine.generate_ids([PROMPTS[0]], "eagle", stop=stop, k=4)
@@ -166,11 +175,7 @@ def test_a_copying_prompt_sends_lookup_s_chain_and_stays_plain_decoding(tiny_tar
 
 
 def test_eagle_lookup_runs_through_the_engine_and_sampling_stays_with_eagle(tiny_target, trained_dir):
-    class Costs(FixedCosts):
-        def figure(self, key, what, measure, timed=True):
-            return 0.05 if key["figure"] == "eagle_cost" else super().figure(key, what, measure, timed)
-
-    engine = Engine.from_models(LoadedModel(tiny_target, None, "tiny"), costs=Costs(CPU_LIKE),
+    engine = Engine.from_models(LoadedModel(tiny_target, None, "tiny"), costs=EagleCosts(CPU_LIKE, 0.05),
                                 config=EngineConfig(eagle_dir=str(trained_dir)))
     prompt, stop = PROMPTS[0] * 3, StopConditions(max_new_tokens=16, eos_token_ids=(10_000,))
     [got] = engine.generate_ids([prompt], "eagle-lookup", stop=stop, k=4)
@@ -185,11 +190,7 @@ def test_eagle_lookup_runs_through_the_engine_and_sampling_stays_with_eagle(tiny
 
 
 def test_auto_weighs_eagle_lookup_once_it_has_run_here(tiny_target, trained_dir):
-    class Costs(FixedCosts):  # a GPU-like verify cost and the draft's step cost as given, not this host's
-        def figure(self, key, what, measure, timed=True):
-            return 0.1 if key["figure"] == "eagle_cost" else super().figure(key, what, measure, timed)
-
-    costs = Costs(GPU_LIKE_COST)
+    costs = EagleCosts(GPU_LIKE_COST, 0.1)  # a GPU-like verify cost
     engine = Engine.from_models(LoadedModel(tiny_target, None, "tiny"), costs=costs,
                                 config=EngineConfig(eagle_dir=str(trained_dir)))
     costs.add_acceptance(tiny_target, "prompt-lookup", drafted=1000, accepted=10)  # lookup measured poor here
@@ -211,13 +212,9 @@ def test_k_auto_leaves_a_draft_that_cannot_pay_idle_but_for_probes(tiny_target, 
     """On a verify cost where a forward over two tokens costs nearly two (llama.cpp on a CPU),
     an EAGLE draft accepted a third of the time cannot pay: k auto runs plain steps, drafting on
     a probe now and then, and the output is plain's."""
-    class Costs(FixedCosts):
-        def figure(self, key, what, measure, timed=True):
-            return 0.15 if key["figure"] == "eagle_cost" else super().figure(key, what, measure, timed)
-
     from tests.conftest import LLAMACPP_CPU_COST
 
-    costs = Costs(LLAMACPP_CPU_COST)
+    costs = EagleCosts(LLAMACPP_CPU_COST, 0.15)
     engine = Engine.from_models(LoadedModel(tiny_target, None, "tiny"), costs=costs,
                                 config=EngineConfig(eagle_dir=str(trained_dir)))
     costs.add_acceptance(tiny_target, "eagle", drafted=3000, accepted=1000, proposer=str(trained_dir))
