@@ -6,6 +6,12 @@ The one with the higher expected tokens per time on the target's measured verify
 its match goes and by depth, EAGLE's per confidence. Summaries, RAG answers and edits copy their
 prompt, where lookup is right far more often than a small draft; elsewhere EAGLE drafts.
 
+Both tables learn from every greedy step, whichever chain was sent: the tokens a step emits are
+the target's own, so comparing the chain left unsent with them says what verifying it would have
+found, up to the emitted tokens' length (`judged_by`). Lookup's acceptance is kept per request
+too, starting from the shared table: how much a request copies is its own (a translation copies
+names and numbers, a chat answer almost nothing), and a request that has shown it is told apart.
+
 Sampling rows send EAGLE's chain alone: choosing between the two by figures of a sampled chain
 would bias what it samples. Without a verify cost to weigh them by (no cost store, or
 eagle_depth "k"), it drafts as EAGLE does. EAGLE's state follows whatever chain was verified
@@ -23,19 +29,35 @@ from specdec.proposers.prompt_lookup import longest_match
 from specdec.types import Proposal, ProposeContext, Verdict
 
 
+def judged_by(chain: Sequence[int], emitted: Sequence[int]) -> tuple[int, int]:
+    """What verifying `chain` would have judged, as far as the tokens a greedy step emitted (the
+    target's own) tell: (drafted, accepted) as Verdict counts them, where a chain that agrees with
+    every emitted token counts only those (whether its next token would have been accepted is
+    not known)."""
+    m = 0
+    while m < len(chain) and m < len(emitted) and chain[m] == emitted[m]:
+        m += 1
+    if m < len(chain) and m < len(emitted):
+        return m + 1, m  # the target emitted something else at m
+    return m, m
+
+
 class LookupReach:
     """How often prompt lookup's drafted tokens were accepted, by the length of the match the
     continuation followed (a span being copied matches far back; a phrase met by chance, over a
     few tokens) and by depth: per depth d, the rate at which token d was accepted where every
     token before it was (a copy tends to go on, so deeper tokens are accepted more often than the
     first; a geometric rate would cut such chains short). Each rate starts from its bucket's
-    `PRIOR` as if `prior_weight` tokens had been judged; halved past `window`."""
+    `PRIOR`, or from `parent`'s rate where it has one (a request's table over the shared one; what
+    it records goes to the parent too), as if `prior_weight` tokens had been judged; halved past
+    `window`."""
 
     BUCKETS = (1, 2, 3, 4, 6, 9, 16)  # lower bounds of the match lengths of each bucket
     PRIOR = (0.15, 0.3, 0.45, 0.55, 0.65, 0.75, 0.85)  # a first guess per bucket; what is measured here takes over
 
-    def __init__(self, depths: int = 16, prior_weight: float = 4.0, window: float = 4096.0):
-        self.prior_weight, self.window = prior_weight, window
+    def __init__(self, depths: int = 16, prior_weight: float = 4.0, window: float = 4096.0,
+                 parent: Optional["LookupReach"] = None):
+        self.prior_weight, self.window, self.parent = prior_weight, window, parent
         # per bucket, per depth [accepted, judged]
         self._counts = [[[0.0, 0.0] for _ in range(depths)] for _ in self.BUCKETS]
 
@@ -47,7 +69,8 @@ class LookupReach:
         b = self.bucket(match)
         rows = self._counts[b]
         accepted, judged = rows[min(depth, len(rows) - 1)]
-        return (accepted + self.PRIOR[b] * self.prior_weight) / (judged + self.prior_weight)
+        prior = self.PRIOR[b] if self.parent is None else self.parent.alpha(match, depth)
+        return (accepted + prior * self.prior_weight) / (judged + self.prior_weight)
 
     def chain(self, match: int, length: int) -> list[float]:
         """The reach of each of `length` tokens following a match this long (every one before accepted too)."""
@@ -70,43 +93,53 @@ class LookupReach:
             if counts[1] > self.window:
                 counts[0] /= 2
                 counts[1] /= 2
+        if self.parent is not None:
+            self.parent.record(match, drafted, accepted)
 
 
 class EagleLookupProposer(EagleProposer):
     name = "eagle-lookup"
 
     def __init__(self, *args, lookup: Optional[LookupReach] = None, max_ngram: int = 3, **kwargs):
-        """As EagleProposer; lookup: the acceptance table of lookup's chains (shared by the proposers of one draft)."""
+        """As EagleProposer; lookup: the acceptance table of lookup's chains shared by the proposers
+        of one draft, which this proposer's own table (self.lookup, its request's) starts from."""
         super().__init__(*args, **kwargs)
-        self.lookup = lookup if lookup is not None else LookupReach()
+        self.lookup = LookupReach(parent=lookup if lookup is not None else LookupReach())
         self.max_ngram = max_ngram
-        # per row of the last proposal: the match length of the lookup chain sent; 0: EAGLE's chain was
-        self._matched: list[int] = []
+        # per row of the last proposal: lookup's (match length, chain), (0, ()) where none
+        self._lookups: list[tuple[int, tuple[int, ...]]] = []
+        # per row of the last proposal where lookup's chain was sent: EAGLE's (tokens, confidences)
+        self._unsent: dict[int, tuple[tuple[int, ...], list[float]]] = {}
 
     def propose(self, ctx: ProposeContext) -> list[Proposal]:
         proposals = super().propose(ctx)
-        self._matched = [0] * len(proposals)
+        self._lookups, self._unsent = [], {}
         if not ctx.sampling.greedy or self.depth is None or not self._confidences:  # (trees: not chains)
             return proposals
         v = self.depth.v
-        for b, (toks, k) in enumerate(zip(ctx.token_ids, ctx.k)):
-            match, cont = longest_match(toks, k, self.max_ngram)
+        self._lookups = [longest_match(toks, k, self.max_ngram) for toks, k in zip(ctx.token_ids, ctx.k)]
+        for b, (match, cont) in enumerate(self._lookups):
             if not cont:
                 continue
             reach = self.lookup.chain(match, len(cont))
             keep = tokens_worth_verifying(reach, 0.0, v)
             eagle = self.depth.reach.chain(self._confidences[b])  # (its drafting is spent: no c)
             if keep and block_rate(reach[:keep], 0.0, v) > block_rate(eagle, 0.0, v):
+                self._unsent[b] = (proposals[b].token_ids, self._confidences[b])
                 proposals[b] = Proposal(token_ids=cont[:keep])
-                self._confidences[b] = []  # (EAGLE's table learns nothing from this row's verdict)
-                self._matched[b] = match
+                self._confidences[b] = []  # (EAGLE's table learns from its unsent chain in observe)
         return proposals
 
     def observe(self, verdicts: Sequence[Verdict]) -> None:
-        for match, v in zip(self._matched, verdicts):
-            if match:
-                self.lookup.record(match, v.num_drafted, v.num_accepted)
-        self._matched = []
+        """Greedy rows: each table learns what its chain would have been found, sent or not (judged_by)."""
+        for b, ((match, cont), v) in enumerate(zip(self._lookups, verdicts)):
+            if cont:
+                self.lookup.record(match, *judged_by(cont, v.emitted))
+            if b in self._unsent:
+                tokens, confidences = self._unsent[b]
+                drafted, accepted = judged_by(tokens, v.emitted)
+                self.depth.reach.record(confidences[:drafted], accepted)
+        self._lookups, self._unsent = [], {}
         super().observe(verdicts)
 
 

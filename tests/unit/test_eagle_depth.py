@@ -14,7 +14,7 @@ from specdec.errors import InvalidRequest
 from specdec.models import LoadedModel
 from specdec.proposers import EagleProposer, ProposerEnv, load_proposer
 from specdec.proposers.eagle import DepthChoice, ReachByConfidence
-from specdec.proposers.eagle_lookup import EagleLookupProposer, LookupReach
+from specdec.proposers.eagle_lookup import EagleLookupProposer, LookupReach, judged_by
 from specdec.proposers.prompt_lookup import longest_match
 from specdec.types import SamplingParams, StopConditions
 from tests.conftest import GPU_LIKE_COST, FixedCosts, assert_greedy_equal
@@ -148,6 +148,27 @@ def test_lookup_reach_starts_from_its_prior_per_match_length_and_learns_per_dept
     assert table.chain(3, 4)[-1] > 0.4  # geometric at the first token's rate would say 0.06
 
 
+def test_judged_by_says_what_verifying_an_unsent_chain_would_have_found():
+    assert judged_by((5, 6, 7), (5, 9)) == (2, 1)  # rejected at its second token
+    assert judged_by((5, 6, 7), (8,)) == (1, 0)
+    assert judged_by((5, 6), (5, 6, 7)) == (2, 2)  # all of it accepted
+    assert judged_by((5, 6, 7), (5, 6)) == (2, 2)  # its third token: not known from two emitted
+    assert judged_by((), (5,)) == (0, 0)
+
+
+def test_a_request_s_table_starts_from_the_shared_one_and_teaches_it_too():
+    shared = LookupReach(prior_weight=4.0)
+    for _ in range(40):
+        shared.record(3, drafted=1, accepted=0)  # lookup wrong after 3-token matches, in the mix
+    mine = LookupReach(prior_weight=4.0, parent=shared)
+    assert mine.alpha(3) == pytest.approx(shared.alpha(3)) and shared.alpha(3) < 0.1
+    for _ in range(20):
+        mine.record(3, drafted=4, accepted=4)  # this request copies
+    assert mine.alpha(3) > 0.7 and mine.alpha(3, 2) > 0.8
+    assert shared.alpha(3) > 0.3 and shared.judged() == 40 + 80  # the mix heard of it too
+    assert LookupReach(parent=shared).alpha(3) == pytest.approx(shared.alpha(3))  # a new request starts from the mix
+
+
 def test_the_match_length_is_how_far_back_the_context_agrees():
     toks = [1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5]
     assert longest_match(toks, 3) == (5, (9, 1, 2))  # the 3-gram 3 4 5 matches, and so do 1 2 before it
@@ -174,6 +195,28 @@ def test_a_copying_prompt_sends_lookup_s_chain_and_stays_plain_decoding(tiny_tar
     assert got.stats.target_forwards < eagle.stats.target_forwards  # the copy is cheaper than EAGLE's guesses
 
 
+def test_a_request_that_copies_gets_lookup_s_chain_where_the_mix_says_lookup_is_wrong(tiny_target, trained_dir):
+    """The shared table says lookup's chains are nearly never accepted, so it would send none;
+    lookup's table learns from the steps where EAGLE's chain was sent (what it would have found),
+    and the request that copies its prompt gets lookup's chains after a few steps."""
+    draft = load_eagle(trained_dir, tiny_target)
+    stop = StopConditions(max_new_tokens=40, eos_token_ids=(10_000,))
+    [plain] = speculative_generate(tiny_target, EagleProposer(draft), [PROMPTS[2]], stop=stop, k=1)
+    prompt = PROMPTS[2] + list(plain.token_ids) + PROMPTS[2]  # the answer follows the prompt: copy it
+    shared = LookupReach()
+    for match in (1, 2, 3, 4, 6, 9, 16, 64):
+        for _ in range(200):
+            shared.record(match, drafted=1, accepted=0)
+    assert all(shared.alpha(m) < 0.05 for m in (1, 3, 64))
+    hybrid = EagleLookupProposer(draft, depth=DepthChoice(c=0.05, v=CPU_LIKE), lookup=shared)
+    [got] = speculative_generate(tiny_target, hybrid, [prompt], stop=stop, k=4)
+    [eagle] = speculative_generate(tiny_target, EagleProposer(draft, depth=DepthChoice(c=0.05, v=CPU_LIKE)),
+                                   [prompt], stop=stop, k=4)
+    assert_greedy_equal(tiny_target, prompt, got.token_ids, eagle.token_ids)
+    assert got.stats.target_forwards < eagle.stats.target_forwards  # lookup's chains were sent once learnt
+    assert max(hybrid.lookup.alpha(m) for m in (4, 9, 16, 64)) > 0.5 and shared.alpha(64) < 0.5
+
+
 def test_eagle_lookup_runs_through_the_engine_and_sampling_stays_with_eagle(tiny_target, trained_dir):
     engine = Engine.from_models(LoadedModel(tiny_target, None, "tiny"), costs=EagleCosts(CPU_LIKE, 0.05),
                                 config=EngineConfig(eagle_dir=str(trained_dir)))
@@ -182,11 +225,12 @@ def test_eagle_lookup_runs_through_the_engine_and_sampling_stays_with_eagle(tiny
     [want] = engine.generate_ids([prompt], "plain", stop=stop)
     assert_greedy_equal(tiny_target, prompt, got.token_ids, want.token_ids)
     proposer = engine.proposer_factory("eagle-lookup")()
-    before = proposer.lookup.judged()  # (shared by the method's proposers)
-    assert before > 0  # the greedy run above sent lookup's chain
+    shared = proposer.lookup.parent  # (shared by the method's proposers)
+    before = shared.judged()
+    assert before > 0  # the greedy run above met lookup's chains
     sampled = SamplingParams(temperature=1.0, seed=3)
     [s] = speculative_generate(tiny_target, proposer, [prompt], sampling=sampled, stop=stop, k=4)
-    assert s.stats.drafted > 0 and proposer.lookup.judged() == before  # a sampled row drafts with EAGLE alone
+    assert s.stats.drafted > 0 and shared.judged() == before  # a sampled row drafts with EAGLE alone
 
 
 def test_auto_weighs_eagle_lookup_once_it_has_run_here(tiny_target, trained_dir):
