@@ -42,6 +42,22 @@ def judged_by(chain: Sequence[int], emitted: Sequence[int]) -> tuple[int, int]:
     return m, m
 
 
+class RowTables:
+    """One table per row, made by `make`, following the rows asked for as DraftRows does: a row's
+    table is kept while the row goes on; a new set of sequences starts new tables."""
+
+    def __init__(self, make):
+        self.make = make
+        self.tables: dict = {}
+
+    def follow(self, row_ids: Sequence[int]) -> list:
+        """The tables of row_ids, in order."""
+        if not set(row_ids) <= set(self.tables):
+            self.tables = {}
+        self.tables = {r: self.tables[r] if r in self.tables else self.make() for r in row_ids}
+        return [self.tables[r] for r in row_ids]
+
+
 class LookupReach:
     """How often prompt lookup's drafted tokens were accepted, by the length of the match the
     continuation followed (a span being copied matches far back; a phrase met by chance, over a
@@ -102,14 +118,16 @@ class EagleLookupProposer(EagleProposer):
 
     def __init__(self, *args, lookup: Optional[LookupReach] = None, max_ngram: int = 3, **kwargs):
         """As EagleProposer; lookup: the acceptance table of lookup's chains shared by the proposers
-        of one draft, which this proposer's own table (self.lookup, its request's) starts from."""
+        of one draft, which each row's own table starts from."""
         super().__init__(*args, **kwargs)
-        self.lookup = LookupReach(parent=lookup if lookup is not None else LookupReach())
+        self.lookup = lookup if lookup is not None else LookupReach()
+        self._tables = RowTables(lambda: LookupReach(parent=self.lookup))  # each row's own
         self.max_ngram = max_ngram
         # per row of the last proposal: lookup's (match length, chain), (0, ()) where none
         self._lookups: list[tuple[int, tuple[int, ...]]] = []
         # per row of the last proposal where lookup's chain was sent: EAGLE's (tokens, confidences)
         self._unsent: dict[int, tuple[tuple[int, ...], list[float]]] = {}
+        self._row_tables: list[LookupReach] = []  # per row of the last proposal: its table
 
     def propose(self, ctx: ProposeContext) -> list[Proposal]:
         proposals = super().propose(ctx)
@@ -118,10 +136,11 @@ class EagleLookupProposer(EagleProposer):
             return proposals
         v = self.depth.v
         self._lookups = [longest_match(toks, k, self.max_ngram) for toks, k in zip(ctx.token_ids, ctx.k)]
-        for b, (match, cont) in enumerate(self._lookups):
+        self._row_tables = self._tables.follow(ctx.row_ids)
+        for b, ((match, cont), table) in enumerate(zip(self._lookups, self._row_tables)):
             if not cont:
                 continue
-            reach = self.lookup.chain(match, len(cont))
+            reach = table.chain(match, len(cont))
             keep = tokens_worth_verifying(reach, 0.0, v)
             eagle = self.depth.reach.chain(self._confidences[b])  # (its drafting is spent: no c)
             if keep and block_rate(reach[:keep], 0.0, v) > block_rate(eagle, 0.0, v):
@@ -131,10 +150,10 @@ class EagleLookupProposer(EagleProposer):
         return proposals
 
     def observe(self, verdicts: Sequence[Verdict]) -> None:
-        """Greedy rows: each table learns what its chain would have been found, sent or not (judged_by)."""
+        """Greedy rows: each table learns what verifying its chain found, or would have found (judged_by)."""
         for b, ((match, cont), v) in enumerate(zip(self._lookups, verdicts)):
             if cont:
-                self.lookup.record(match, *judged_by(cont, v.emitted))
+                self._row_tables[b].record(match, *judged_by(cont, v.emitted))
             if b in self._unsent:
                 tokens, confidences = self._unsent[b]
                 drafted, accepted = judged_by(tokens, v.emitted)
