@@ -17,6 +17,24 @@ def chain_parents(n: int) -> tuple[int, ...]:
     return tuple(range(-1, n - 1))
 
 
+def graft_chain(token_ids: Sequence[int], parents: Optional[Sequence[int]], chain: Sequence[int]
+                ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The tree with `chain` added as a path from the root: it follows the nodes already there
+    with the chain's tokens (a shared prefix is not repeated) and appends the rest, each a child
+    of the one before -> (token ids, parents). parents None: a chain."""
+    ids = list(token_ids)
+    ups = list(chain_parents(len(ids)) if parents is None else parents)
+    node = -1
+    for tok in chain:
+        here = next((i for i, p in enumerate(ups) if p == node and ids[i] == tok), None)
+        if here is None:
+            ids.append(int(tok))
+            ups.append(node)
+            here = len(ids) - 1
+        node = here
+    return tuple(ids), tuple(ups)
+
+
 def block_mask(parents: Sequence[int]) -> torch.Tensor:
     """[n + 1, n + 1] bool: entry [i, j] is True when block index i may attend to index j
     (j is i itself or one of its ancestors, the root included)."""

@@ -12,6 +12,11 @@ found, up to the emitted tokens' length (`judged_by`). Lookup's acceptance is ke
 too, starting from the shared table: how much a request copies is its own (a translation copies
 names and numbers, a chat answer almost nothing), and a request that has shown it is told apart.
 
+Where the target verifies a tree at about a chain's cost (a GPU: EAGLE then drafts a tree, see
+tree_width), lookup's chain is not weighed against EAGLE's but grafted onto its tree as one more
+branch (`tree.graft_chain`), within the same cost margin as EAGLE's siblings: the target checks
+both in one forward and keeps whichever path it agrees with.
+
 Sampling rows send EAGLE's chain alone: choosing between the two by figures of a sampled chain
 would bias what it samples. Without a verify cost to weigh them by (no cost store, or
 eagle_depth "k"), it drafts as EAGLE does. EAGLE's state follows whatever chain was verified
@@ -22,10 +27,11 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from specdec.costmodel import block_rate, tokens_worth_verifying
+from specdec.costmodel import block_rate, tokens_worth_verifying, verify_cost_at
 from specdec.proposers.base import ProposerEnv, ProposerFactory, register
-from specdec.proposers.eagle import EagleProposer, eagle_parts
+from specdec.proposers.eagle import TREE_COST_MARGIN, EagleProposer, eagle_parts
 from specdec.proposers.prompt_lookup import longest_match
+from specdec.tree import graft_chain
 from specdec.types import Proposal, ProposeContext, Verdict
 
 
@@ -132,11 +138,13 @@ class EagleLookupProposer(EagleProposer):
     def propose(self, ctx: ProposeContext) -> list[Proposal]:
         proposals = super().propose(ctx)
         self._lookups, self._unsent = [], {}
-        if not ctx.sampling.greedy or self.depth is None or not self._confidences:  # (trees: not chains)
+        if not ctx.sampling.greedy or self.depth is None:
             return proposals
         v = self.depth.v
         self._lookups = [longest_match(toks, k, self.max_ngram) for toks, k in zip(ctx.token_ids, ctx.k)]
         self._row_tables = self._tables.follow(ctx.row_ids)
+        if not self._confidences:  # trees (a target that verifies a few more tokens at about a chain's cost)
+            return [self._with_branch(p, cont, k) for p, (_, cont), k in zip(proposals, self._lookups, ctx.k)]
         for b, ((match, cont), table) in enumerate(zip(self._lookups, self._row_tables)):
             if not cont:
                 continue
@@ -148,6 +156,19 @@ class EagleLookupProposer(EagleProposer):
                 proposals[b] = Proposal(token_ids=cont[:keep])
                 self._confidences[b] = []  # (EAGLE's table learns from its unsent chain in observe)
         return proposals
+
+    def _with_branch(self, tree: Proposal, cont: tuple[int, ...], k: int) -> Proposal:
+        """EAGLE's tree with lookup's chain grafted on as one more branch from the root, where the
+        grafted tree costs at most TREE_COST_MARGIN times a k-token chain to verify (the rule
+        EAGLE's siblings follow): the target then checks both in its one forward."""
+        if not cont:
+            return tree
+        ids, parents = graft_chain(tree.token_ids, tree.parents, cont)
+        if len(ids) == len(tree.token_ids):
+            return tree  # EAGLE's tree holds it already
+        if verify_cost_at(self.depth.v, len(ids) + 1) > TREE_COST_MARGIN * verify_cost_at(self.depth.v, k + 1):
+            return tree
+        return Proposal(token_ids=ids, parents=parents)
 
     def observe(self, verdicts: Sequence[Verdict]) -> None:
         """Greedy rows: each table learns what verifying its chain found, or would have found (judged_by)."""

@@ -225,6 +225,26 @@ def test_a_request_that_copies_gets_lookup_s_chain_where_the_mix_says_lookup_is_
     assert shared.alpha(64) < 0.5  # what the row learnt went to the mix too, but the mix still says no
 
 
+def test_where_trees_cost_about_a_chain_lookup_s_chain_joins_eagle_s_tree(tiny_target, trained_dir):
+    """A GPU-like verify cost: EAGLE drafts a tree, and lookup's chain is grafted onto it as one
+    more branch, so a copying prompt takes fewer target forwards than EAGLE's tree alone, with
+    plain decoding's output."""
+    draft = load_eagle(trained_dir, tiny_target)
+    stop = StopConditions(max_new_tokens=24, eos_token_ids=(10_000,))
+    [plain] = speculative_generate(tiny_target, EagleProposer(draft), [PROMPTS[2]], stop=stop, k=1)
+    prompt = PROMPTS[2] + list(plain.token_ids) + PROMPTS[2]
+
+    def run(cls):
+        proposer = cls(draft, verify_cost=GPU_LIKE_COST, runs_trees=True, depth=DepthChoice(c=0.05, v=GPU_LIKE_COST))
+        [got] = speculative_generate(tiny_target, proposer, [prompt], stop=stop, k=4)
+        return got, proposer
+
+    (tree, _), (hybrid, proposer) = run(EagleProposer), run(EagleLookupProposer)
+    assert_greedy_equal(tiny_target, prompt, hybrid.token_ids, tree.token_ids)
+    assert hybrid.stats.target_forwards < tree.stats.target_forwards
+    assert proposer.lookup.judged() > 0  # lookup's table learns from the tree steps too
+
+
 def test_eagle_lookup_runs_through_the_engine_and_sampling_stays_with_eagle(tiny_target, trained_dir):
     engine = Engine.from_models(LoadedModel(tiny_target, None, "tiny"), costs=EagleCosts(CPU_LIKE, 0.05),
                                 config=EngineConfig(eagle_dir=str(trained_dir)))

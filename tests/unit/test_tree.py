@@ -1,6 +1,6 @@
 import torch
 
-from specdec.tree import block_mask, chain_parents, depths, greedy_walk
+from specdec.tree import block_mask, chain_parents, depths, graft_chain, greedy_walk
 
 
 def test_three_node_tree_mask_and_depths_by_hand():
@@ -31,3 +31,13 @@ def test_greedy_walk_follows_matching_children():
 def test_greedy_walk_rejects_at_root():
     path, nxt = greedy_walk((5, 6), None, [4, 6, 1])
     assert path == [] and nxt == 4
+
+
+def test_graft_chain_follows_the_nodes_already_there_and_appends_the_rest():
+    ids, parents = (5, 6, 9, 7), (-1, 0, 0, 1)  # root -> 5 -> {6 -> 7, 9}
+    assert graft_chain(ids, parents, (5, 6, 8)) == ((5, 6, 9, 7, 8), (-1, 0, 0, 1, 1))  # shares 5 6
+    assert graft_chain(ids, parents, (4, 6)) == ((5, 6, 9, 7, 4, 6), (-1, 0, 0, 1, -1, 4))  # a branch of its own
+    assert graft_chain(ids, parents, (5, 9)) == (ids, parents)  # already in the tree
+    assert graft_chain((1, 2), None, (1, 3)) == ((1, 2, 3), (-1, 0, 0))  # a chain becomes a tree
+    walked, nxt = greedy_walk(*graft_chain(ids, parents, (4, 6)), target_argmax=[4, 0, 0, 0, 0, 6, 2])
+    assert walked == [4, 5] and nxt == 2  # the target follows the grafted branch
