@@ -25,11 +25,14 @@ eagle_depth "k"), it drafts as EAGLE does. EAGLE's state follows whatever chain 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
+
+import torch
 
 from specdec.costmodel import block_rate, tokens_worth_verifying, verify_cost_at
 from specdec.proposers.base import ProposerEnv, ProposerFactory, register
-from specdec.proposers.eagle import TREE_COST_MARGIN, EagleProposer, eagle_parts
+from specdec.proposers.eagle import TREE_COST_MARGIN, EagleProposer, eagle_parts, tree_width
 from specdec.proposers.prompt_lookup import longest_match
 from specdec.tree import graft_chain
 from specdec.types import Proposal, ProposeContext, Verdict
@@ -119,6 +122,25 @@ class LookupReach:
             self.parent.record(match, drafted, accepted)
 
 
+@dataclass
+class _Row:
+    """What eagle-lookup keeps per row: lookup's acceptance for it, the target's features handed
+    over while EAGLE's step was skipped, and the block rate of the chain EAGLE sent last."""
+
+    table: LookupReach
+    pending: list = field(default_factory=list)
+    eagle_rate: Optional[float] = None
+
+
+def _lookup_block(table: LookupReach, match: int, cont: tuple[int, ...], v) -> tuple[int, float]:
+    """Lookup's chain: how many of its tokens to send and the block rate of sending them (0, 0.0: none)."""
+    if not cont:
+        return 0, 0.0
+    reach = table.chain(match, len(cont))
+    keep = tokens_worth_verifying(reach, 0.0, v)
+    return keep, block_rate(reach[:keep], 0.0, v) if keep else 0.0
+
+
 class EagleLookupProposer(EagleProposer):
     name = "eagle-lookup"
 
@@ -127,7 +149,8 @@ class EagleLookupProposer(EagleProposer):
         of one draft, which each row's own table starts from."""
         super().__init__(*args, **kwargs)
         self.lookup = lookup if lookup is not None else LookupReach()
-        self._tables = RowTables(lambda: LookupReach(parent=self.lookup))  # each row's own
+        self._state = RowTables(lambda: _Row(LookupReach(parent=self.lookup)))  # each row's own
+        self.skipped = 0  # steps whose EAGLE step was skipped (lookup's chain sure to go)
         self.max_ngram = max_ngram
         # per row of the last proposal: lookup's (match length, chain), (0, ()) where none
         self._lookups: list[tuple[int, tuple[int, ...]]] = []
@@ -136,26 +159,46 @@ class EagleLookupProposer(EagleProposer):
         self._row_tables: list[LookupReach] = []  # per row of the last proposal: its table
 
     def propose(self, ctx: ProposeContext) -> list[Proposal]:
-        proposals = super().propose(ctx)
         self._lookups, self._unsent = [], {}
-        if not ctx.sampling.greedy or self.depth is None:
+        rows = self._state.follow(ctx.row_ids)
+        greedy = ctx.sampling.greedy and self.depth is not None
+        if greedy:
+            v = self.depth.v
+            self._lookups = [longest_match(toks, k, self.max_ngram) for toks, k in zip(ctx.token_ids, ctx.k)]
+            self._row_tables = [row.table for row in rows]
+            blocks = [_lookup_block(row.table, match, cont, v) for row, (match, cont) in zip(rows, self._lookups)]
+            if self._skips_eagle(ctx, rows, blocks):
+                for row, features in zip(rows, ctx.target_features):
+                    row.pending.append(features)  # handed to EAGLE at its next step
+                self._confidences, self.skipped = [], self.skipped + 1
+                return [Proposal(token_ids=cont[:keep]) for (_, cont), (keep, _) in zip(self._lookups, blocks)]
+        if ctx.target_features is not None and any(row.pending for row in rows):
+            ctx = replace(ctx, target_features=tuple(torch.cat([*row.pending, f]) for row, f in
+                                                     zip(rows, ctx.target_features)))
+            for row in rows:
+                row.pending = []
+        proposals = super().propose(ctx)
+        if not greedy:
             return proposals
-        v = self.depth.v
-        self._lookups = [longest_match(toks, k, self.max_ngram) for toks, k in zip(ctx.token_ids, ctx.k)]
-        self._row_tables = self._tables.follow(ctx.row_ids)
         if not self._confidences:  # trees (a target that verifies a few more tokens at about a chain's cost)
             return [self._with_branch(p, cont, k) for p, (_, cont), k in zip(proposals, self._lookups, ctx.k)]
-        for b, ((match, cont), table) in enumerate(zip(self._lookups, self._row_tables)):
-            if not cont:
-                continue
-            reach = table.chain(match, len(cont))
-            keep = tokens_worth_verifying(reach, 0.0, v)
+        for b, ((_, cont), (keep, rate), row) in enumerate(zip(self._lookups, blocks, rows)):
             eagle = self.depth.reach.chain(self._confidences[b])  # (its drafting is spent: no c)
-            if keep and block_rate(reach[:keep], 0.0, v) > block_rate(eagle, 0.0, v):
+            row.eagle_rate = block_rate(eagle, 0.0, v)
+            if keep and rate > row.eagle_rate:
                 self._unsent[b] = (proposals[b].token_ids, self._confidences[b])
                 proposals[b] = Proposal(token_ids=cont[:keep])
                 self._confidences[b] = []  # (EAGLE's table learns from its unsent chain in observe)
         return proposals
+
+    def _skips_eagle(self, ctx: ProposeContext, rows: Sequence["_Row"], blocks: Sequence[tuple[int, float]]) -> bool:
+        """Whether every row's lookup chain promises more than the chain EAGLE sent at its last
+        step did (chains, not trees): then EAGLE's step, whose chain would most likely not be
+        sent, is skipped, and the target's features of this step wait for its next one."""
+        if ctx.target_features is None or any(tree_width(self.verify_cost, k, self.runs_trees) > 1 for k in ctx.k):
+            return False
+        return all(keep and row.eagle_rate is not None and rate > row.eagle_rate
+                   for row, (keep, rate) in zip(rows, blocks))
 
     def _with_branch(self, tree: Proposal, cont: tuple[int, ...], k: int) -> Proposal:
         """EAGLE's tree with lookup's chain grafted on as one more branch from the root, where the

@@ -225,6 +225,31 @@ def test_a_request_that_copies_gets_lookup_s_chain_where_the_mix_says_lookup_is_
     assert shared.alpha(64) < 0.5  # what the row learnt went to the mix too, but the mix still says no
 
 
+def test_where_lookup_s_chain_is_sure_to_go_eagle_s_step_is_skipped_and_catches_up_later(tiny_target, trained_dir):
+    """A prompt that copies itself: once lookup's chains promise more than EAGLE's last chain,
+    EAGLE's steps are skipped (the target's features wait for its next step, which the draft
+    would refuse if any were missing), the output stays plain decoding's, and the target runs no
+    more forwards than with EAGLE drafting every step."""
+    draft = load_eagle(trained_dir, tiny_target)
+    stop = StopConditions(max_new_tokens=40, eos_token_ids=(10_000,))
+    [plain] = speculative_generate(tiny_target, EagleProposer(draft), [PROMPTS[2]], stop=stop, k=1)
+    prompt = PROMPTS[2] + list(plain.token_ids) + PROMPTS[2] + [7, 8, 9, 10, 11]  # a copy, then new text
+    steps = []
+
+    class Watched(EagleLookupProposer):
+        def catch_up(self, ctx):
+            steps.append(("eagle", self.skipped))
+            return super().catch_up(ctx)
+
+    hybrid = Watched(draft, depth=DepthChoice(c=0.05, v=CPU_LIKE))
+    [got] = speculative_generate(tiny_target, hybrid, [prompt], stop=stop, k=4)
+    [eagle] = speculative_generate(tiny_target, EagleProposer(draft, depth=DepthChoice(c=0.05, v=CPU_LIKE)),
+                                   [prompt], stop=stop, k=4)
+    assert_greedy_equal(tiny_target, prompt, got.token_ids, eagle.token_ids)
+    assert hybrid.skipped > 0 and any(skipped > 0 for _, skipped in steps)  # EAGLE ran again after skips
+    assert got.stats.target_forwards < eagle.stats.target_forwards
+
+
 def test_where_trees_cost_about_a_chain_lookup_s_chain_joins_eagle_s_tree(tiny_target, trained_dir):
     """A GPU-like verify cost: EAGLE drafts a tree, and lookup's chain is grafted onto it as one
     more branch, so a copying prompt takes fewer target forwards than EAGLE's tree alone, with
