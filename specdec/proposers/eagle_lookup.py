@@ -12,6 +12,11 @@ found, up to the emitted tokens' length (`judged_by`). Lookup's acceptance is ke
 too, starting from the shared table: how much a request copies is its own (a translation copies
 names and numbers, a chat answer almost nothing), and a request that has shown it is told apart.
 
+Where every row's lookup chain promises more than the chain EAGLE sent at its last step, EAGLE's
+step is skipped (its chain would most likely not be sent, and drafting it costs a draft forward
+over the new positions and one token), and the target's features of that step are kept for its
+next one.
+
 Where the target verifies a tree at about a chain's cost (a GPU: EAGLE then drafts a tree, see
 tree_width), lookup's chain is not weighed against EAGLE's but grafted onto its tree as one more
 branch (`tree.graft_chain`), within the same cost margin as EAGLE's siblings: the target checks
