@@ -12,7 +12,7 @@ found, up to the emitted tokens' length (`judged_by`). Lookup's acceptance is ke
 too, starting from the shared table: how much a request copies is its own (a translation copies
 names and numbers, a chat answer almost nothing), and a request that has shown it is told apart.
 
-Where every row's lookup chain promises more than the chain EAGLE sent at its last step, EAGLE's
+Where every row's lookup chain promises more than EAGLE's chain at its last step did, EAGLE's
 step is skipped (its chain would most likely not be sent, and drafting it costs a draft forward
 over the new positions and one token), and the target's features of that step are kept for its
 next one.
@@ -130,7 +130,7 @@ class LookupReach:
 @dataclass
 class _Row:
     """What eagle-lookup keeps per row: lookup's acceptance for it, the target's features handed
-    over while EAGLE's step was skipped, and the block rate of the chain EAGLE sent last."""
+    over while EAGLE's step was skipped, and the block rate of EAGLE's chain at its last step."""
 
     table: LookupReach
     pending: list = field(default_factory=list)
@@ -197,8 +197,8 @@ class EagleLookupProposer(EagleProposer):
         return proposals
 
     def _skips_eagle(self, ctx: ProposeContext, rows: Sequence["_Row"], blocks: Sequence[tuple[int, float]]) -> bool:
-        """Whether every row's lookup chain promises more than the chain EAGLE sent at its last
-        step did (chains, not trees): then EAGLE's step, whose chain would most likely not be
+        """Whether every row's lookup chain promises more than EAGLE's chain at its last step did
+        (chains, not trees): then EAGLE's step, whose chain would most likely not be
         sent, is skipped, and the target's features of this step wait for its next one."""
         if ctx.target_features is None or any(tree_width(self.verify_cost, k, self.runs_trees) > 1 for k in ctx.k):
             return False
