@@ -224,6 +224,10 @@ class EagleProposer(Proposer):
         last = valid.sum(1) - 1  # [rows]
         return predicted[torch.arange(len(starts)), last.to(predicted.device)]
 
+    def tree_widths(self, ctx: ProposeContext) -> list[int]:
+        """Per row, the candidates per depth its step drafts (tree_width; 1: a chain, always when sampling)."""
+        return [tree_width(self.verify_cost, k, self.runs_trees) if ctx.sampling.greedy else 1 for k in ctx.k]
+
     @torch.inference_mode()
     def propose(self, ctx: ProposeContext) -> list[Proposal]:
         if not ctx.sampling.greedy and ctx.generators is None:
@@ -240,7 +244,7 @@ class EagleProposer(Proposer):
             predicted[0] = self.draft.extend(self.rows.cache, predicted[0][:, None], tok[:, None])[:, 0]
             return self.draft.logits(predicted[0])
 
-        widths = [tree_width(self.verify_cost, k, self.runs_trees) if ctx.sampling.greedy else 1 for k in ctx.k]
+        widths = self.tree_widths(ctx)
         if max(widths) > 1:
             self._confidences = []
             return self._tree(self.draft.logits(feature), feed, ctx.k, widths)

@@ -37,7 +37,7 @@ import torch
 
 from specdec.costmodel import block_rate, tokens_worth_verifying, verify_cost_at
 from specdec.proposers.base import ProposerEnv, ProposerFactory, register
-from specdec.proposers.eagle import TREE_COST_MARGIN, EagleProposer, eagle_parts, tree_width
+from specdec.proposers.eagle import TREE_COST_MARGIN, EagleProposer, eagle_parts
 from specdec.proposers.prompt_lookup import longest_match
 from specdec.tree import graft_chain
 from specdec.types import Proposal, ProposeContext, Verdict
@@ -66,6 +66,8 @@ class RowTables:
 
     def follow(self, row_ids: Sequence[int]) -> list:
         """The tables of row_ids, in order."""
+        if tuple(self.tables) == tuple(row_ids):  # the same rows as the last step (most steps)
+            return list(self.tables.values())
         if not set(row_ids) <= set(self.tables):
             self.tables = {}
         self.tables = {r: self.tables[r] if r in self.tables else self.make() for r in row_ids}
@@ -161,7 +163,7 @@ class EagleLookupProposer(EagleProposer):
         self._lookups: list[tuple[int, tuple[int, ...]]] = []
         # per row of the last proposal where lookup's chain was sent: EAGLE's (tokens, confidences)
         self._unsent: dict[int, tuple[tuple[int, ...], list[float]]] = {}
-        self._row_tables: list[LookupReach] = []  # per row of the last proposal: its table
+        self._rows: list[_Row] = []  # per row of the last proposal: its state
 
     def propose(self, ctx: ProposeContext) -> list[Proposal]:
         self._lookups, self._unsent = [], {}
@@ -170,7 +172,7 @@ class EagleLookupProposer(EagleProposer):
         if greedy:
             v = self.depth.v
             self._lookups = [longest_match(toks, k, self.max_ngram) for toks, k in zip(ctx.token_ids, ctx.k)]
-            self._row_tables = [row.table for row in rows]
+            self._rows = rows
             blocks = [_lookup_block(row.table, match, cont, v) for row, (match, cont) in zip(rows, self._lookups)]
             if self._skips_eagle(ctx, rows, blocks):
                 for row, features in zip(rows, ctx.target_features):
@@ -196,11 +198,11 @@ class EagleLookupProposer(EagleProposer):
                 self._confidences[b] = []  # (EAGLE's table learns from its unsent chain in observe)
         return proposals
 
-    def _skips_eagle(self, ctx: ProposeContext, rows: Sequence["_Row"], blocks: Sequence[tuple[int, float]]) -> bool:
+    def _skips_eagle(self, ctx: ProposeContext, rows: Sequence[_Row], blocks: Sequence[tuple[int, float]]) -> bool:
         """Whether every row's lookup chain promises more than EAGLE's chain at its last step did
         (chains, not trees): then EAGLE's step, whose chain would most likely not be
         sent, is skipped, and the target's features of this step wait for its next one."""
-        if ctx.target_features is None or any(tree_width(self.verify_cost, k, self.runs_trees) > 1 for k in ctx.k):
+        if ctx.target_features is None or max(self.tree_widths(ctx), default=1) > 1:
             return False
         return all(keep and row.eagle_rate is not None and rate > row.eagle_rate
                    for row, (keep, rate) in zip(rows, blocks))
@@ -222,7 +224,7 @@ class EagleLookupProposer(EagleProposer):
         """Greedy rows: each table learns what verifying its chain found, or would have found (judged_by)."""
         for b, ((match, cont), v) in enumerate(zip(self._lookups, verdicts)):
             if cont:
-                self._row_tables[b].record(match, *judged_by(cont, v.emitted))
+                self._rows[b].table.record(match, *judged_by(cont, v.emitted))
             if b in self._unsent:
                 tokens, confidences = self._unsent[b]
                 drafted, accepted = judged_by(tokens, v.emitted)
