@@ -217,9 +217,12 @@ class EagleProposer(Proposer):
         starts = [feature_start(held, toks, len(f))
                   for held, toks, f in zip(rows.tokens, ctx.token_ids, ctx.target_features)]
         rows.cache.truncate(torch.tensor(starts))
-        # pair p = (f_p, t_{p+1}) for p = start..L-2
+        # pair p = (f_p, t_{p+1}) for p = start..L-2 (and t_p, for a draft that reads it)
         feats, ids, valid = pad_pairs(ctx.target_features, [toks[s + 1 :] for toks, s in zip(ctx.token_ids, starts)])
-        predicted = self.draft.extend(rows.cache, feats, ids, valid)  # [rows, n, H]
+        previous = None
+        if self.draft.previous_token:
+            previous = pad_pairs(ctx.target_features, [toks[s:-1] for toks, s in zip(ctx.token_ids, starts)])[1]
+        predicted = self.draft.extend(rows.cache, feats, ids, valid, previous_ids=previous)  # [rows, n, H]
         rows.tokens = [list(toks) for toks in ctx.token_ids]
         last = valid.sum(1) - 1  # [rows]
         return predicted[torch.arange(len(starts)), last.to(predicted.device)]
@@ -239,9 +242,12 @@ class EagleProposer(Proposer):
             return [Proposal() for _ in ctx.row_ids]
         # 2. Draft k_max tokens for every row, each from the draft's own predicted feature.
         predicted = [feature]
+        before_tok = [torch.tensor([toks[-1] for toks in ctx.token_ids])]  # the token before the next pair's
 
         def feed(tok: torch.Tensor) -> torch.Tensor:
-            predicted[0] = self.draft.extend(self.rows.cache, predicted[0][:, None], tok[:, None])[:, 0]
+            predicted[0] = self.draft.extend(self.rows.cache, predicted[0][:, None], tok[:, None],
+                                             previous_ids=before_tok[0][:, None])[:, 0]
+            before_tok[0] = tok
             return self.draft.logits(predicted[0])
 
         widths = self.tree_widths(ctx)

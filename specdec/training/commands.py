@@ -122,6 +122,9 @@ def add_train_eagle(tsub: argparse._SubParsersAction) -> None:
     p.add_argument("--unroll", type=int, default=d.unroll,
                    help=f"training steps per batch, all but the first on the draft's own features (default {d.unroll})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"learning rate, AdamW (default {d.lr})")
+    p.add_argument("--previous-token", action="store_true",
+                   help="each pair reads the token before its own too (copying from the context in one layer); "
+                        "with --resume from a draft made without it, that draft is widened and trained on")
     p.add_argument("--checkpoint-every", type=float, default=5.0, metavar="MIN",
                    help="minutes between checkpoints (default 5)")
     p.add_argument("--backend", default="fast", help="target backend for the teacher (default fast)")
@@ -145,7 +148,8 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
     if args.vocab < 1 or args.tokens_per_step < 1 or args.unroll < 1:
         raise SpecdecError("--vocab, --tokens-per-step and --unroll must be >= 1")
     target = load_model(args.target, backend=args.backend)
-    recipe = EagleRecipe(vocab=args.vocab, tokens_per_step=args.tokens_per_step, unroll=args.unroll, lr=args.lr)
+    recipe = EagleRecipe(vocab=args.vocab, tokens_per_step=args.tokens_per_step, unroll=args.unroll, lr=args.lr,
+                         previous_token=args.previous_token)
     train_eagle(target.lm, data, args.out, args.work or Path("runs/eagle"), recipe=recipe,
                 target_name=_target_name(args.target),
                 time_budget_s=None if args.time_budget is None else args.time_budget * 60,

@@ -10,7 +10,9 @@ Recipe (`EagleRecipe`; the draft itself: specdec.eagle):
    `teacher_share` of the time budget left) samples every data folder; uncached sequences are
    not trained on.
 2. Draft: fc + one Llama decoder layer, output layer = the target's (frozen) rows of the `vocab`
-   most frequent answer tokens (+ EOS), chosen once per run and kept across resumes.
+   most frequent answer tokens (+ EOS), chosen once per run and kept across resumes. With
+   `previous_token` each pair reads the token before its own too (specdec.eagle); a run with it
+   warm-started from the directory of a run without it widens that draft (`widen_fc`) and goes on.
 3. Loss at pair j: SmoothL1 between the predicted f^_{j+1} and the target's f_{j+1}
    (`feature_weight`, EAGLE's 1.0) + cross-entropy of the subset logits against the target's
    top-1 y_{j+1} (`token_weight`, EAGLE's 0.1; tokens outside the subset carry no token loss).
@@ -48,7 +50,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from specdec.eagle import VOCAB_FILE, WEIGHTS_FILE, EagleDraft, build_eagle, is_eagle_dir, save_eagle
+from specdec.eagle import VOCAB_FILE, WEIGHTS_FILE, EagleDraft, build_eagle, is_eagle_dir, save_eagle, widen_fc
 from specdec.errors import InvalidRequest
 from specdec.backends.hf import CausalLM
 from specdec.training.medusa import Example, HiddenCache, build_hidden_cache, frequent_tokens
@@ -69,6 +71,19 @@ class EagleRecipe:
     step_decay: float = 0.8  # loss weight of unroll step s: step_decay ** s
     heldout_every: int = 20  # sequences whose key is 0 modulo this are held out
     seed: int = 0
+    previous_token: bool = False  # pairs read the token before theirs too (specdec.eagle: copying in one layer)
+
+
+def same_recipe(saved: dict, recipe: EagleRecipe) -> bool:
+    """Whether a recipe stored by a run (its dict; keys added since take their old meaning)
+    is `recipe`."""
+    return {"previous_token": False, **saved} == asdict(recipe)
+
+
+def widens(saved: dict, recipe: EagleRecipe) -> bool:
+    """Whether `recipe` is the stored one but for previous_token, which it adds (specdec.eagle.widen_fc)."""
+    return recipe.previous_token and same_recipe({**saved, "previous_token": True}, recipe) \
+        and not saved.get("previous_token", False)
 
 
 @dataclass
@@ -88,12 +103,14 @@ class CachedSequence:
     tokens: torch.Tensor  # [m] int32: t_{j+1}
     top1: torch.Tensor  # [m] int32: y_j
     eval_from: int  # first row whose depth-1 prediction (t_{j+2}) is an answer token
+    first: int = 0  # t_0, the token before row 0's t_1
 
 
 @dataclass(frozen=True)
 class Batch:
     features: torch.Tensor  # [B, W, H] float32, rows right-padded
     tokens: torch.Tensor  # [B, W] long
+    previous: torch.Tensor  # [B, W] long: t_j, the token before the pair's
     valid: torch.Tensor  # [B, W] bool: a real pair
     labels: torch.Tensor  # [B, W] long: subset index of y_{j+1}; -1 outside the subset or past the end
     has_target: torch.Tensor  # [B, W] bool: pair j has a next row (j + 1 < m)
@@ -120,6 +137,12 @@ def is_heldout(key: str, every: int) -> bool:
     return int(key[:8], 16) % every == 0
 
 
+def first_token(ex: Example, max_seq: int) -> int:
+    """t_0 of the cached sequence (the teacher reads the last max_seq tokens)."""
+    ids = list(ex.prompt_ids) + list(ex.answer_ids)
+    return ids[max(0, len(ids) - max_seq)]
+
+
 def answer_row(ex: Example, max_seq: int) -> int:
     """First cached row j whose depth-1 prediction t_{j+2} is an answer token (after the cut)."""
     cut = max(0, len(ex.prompt_ids) + len(ex.answer_ids) - max_seq)
@@ -132,6 +155,7 @@ def make_batch(seqs: Sequence[CachedSequence], to_subset: torch.Tensor) -> Batch
     hidden = seqs[0].features.shape[1]
     feats = torch.zeros(len(seqs), width, hidden)
     tokens = torch.zeros(len(seqs), width, dtype=torch.long)
+    previous = torch.zeros(len(seqs), width, dtype=torch.long)
     labels = torch.full((len(seqs), width), -1, dtype=torch.long)
     valid = torch.zeros(len(seqs), width, dtype=torch.bool)
     has_target = torch.zeros(len(seqs), width, dtype=torch.bool)
@@ -140,11 +164,13 @@ def make_batch(seqs: Sequence[CachedSequence], to_subset: torch.Tensor) -> Batch
         m = len(s.tokens)
         feats[b, :m] = s.features.float()
         tokens[b, :m] = s.tokens.long()
+        previous[b, 0] = s.first
+        previous[b, 1:m] = s.tokens[: m - 1].long()
         labels[b, : m - 1] = to_subset[s.top1[1:].long()]
         valid[b, :m] = True
         has_target[b, : m - 1] = True
         judged[b, s.eval_from : m - 1] = True
-    return Batch(feats, tokens, valid, labels, has_target, judged)
+    return Batch(feats, tokens, previous, valid, labels, has_target, judged)
 
 
 # --- the unrolled loss ------------------------------------------------------------------------
@@ -171,9 +197,10 @@ def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def unrolled_outputs(draft: EagleDraft, features: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
-                     unroll: int) -> list[torch.Tensor]:
+                     unroll: int, previous: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """The draft's predicted features at every unroll step: features [B, W, H] (true f_j),
-    tokens [B, W] (t_{j+1}), valid [B, W] -> [out_0, ..., out_{unroll-1}], each [B, W, H]; out_s
+    tokens [B, W] (t_{j+1}), valid [B, W], previous [B, W] (t_j; read by a previous_token
+    draft) -> [out_0, ..., out_{unroll-1}], each [B, W, H]; out_s
     at j is the draft's f^_{j+1} at drafting depth s + 1 (its input at j: f_j for s = 0, else
     out_{s-1} at j - 1; undefined for j < s)."""
     from transformers import DynamicCache
@@ -183,7 +210,8 @@ def unrolled_outputs(draft: EagleDraft, features: torch.Tensor, tokens: torch.Te
     cache = DynamicCache()  # keys and values of every step, in order (what unroll_mask indexes)
     inputs, outs = features, []
     for s in range(unroll):
-        outs.append(draft(inputs, tokens, additive(unroll_mask(valid, s), draft.dtype), positions, cache))
+        outs.append(draft(inputs, tokens, additive(unroll_mask(valid, s), draft.dtype), positions, cache,
+                          previous_ids=previous))
         inputs = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], dim=1)  # step s+1 reads f^_j at j
     return outs
 
@@ -194,7 +222,7 @@ def unrolled_loss(draft: EagleDraft, batch: Batch, recipe: EagleRecipe
     feats, width = batch.features, batch.features.shape[1]
     target = torch.cat([feats[:, 1:], torch.zeros_like(feats[:, :1])], dim=1)  # [B, W, H]: f_{j+1} at j
     total, agreement = feats.new_zeros(()), []
-    for s, out in enumerate(unrolled_outputs(draft, feats, batch.tokens, batch.valid, recipe.unroll)):
+    for s, out in enumerate(unrolled_outputs(draft, feats, batch.tokens, batch.valid, recipe.unroll, batch.previous)):
         use = batch.has_target & (torch.arange(width) >= s)[None]  # [B, W]; step s has inputs from j = s
         pred, labels = out[use], batch.labels[use]  # [N, H], [N]
         logits = draft.subset_logits(pred)  # [N, subset]
@@ -241,13 +269,16 @@ def warm_start(out_dir: Path, recipe: EagleRecipe) -> Optional[tuple[EagleState,
     if not is_eagle_dir(out_dir):
         return None
     meta = json.loads((out_dir / VOCAB_FILE).read_text())
-    if meta.get("recipe") != asdict(recipe):
+    saved = meta.get("recipe") or {}
+    if not same_recipe(saved, recipe) and not widens(saved, recipe):
         raise InvalidRequest(f"{out_dir} was made with another recipe: {meta.get('recipe')}; "
-                             "choose another --out or the same recipe")
+                             "choose another --out or the same recipe (or it with --previous-token)")
     state = EagleState(step=meta["steps"], tokens_seen=meta["tokens_seen"], elapsed_s=meta["train_minutes"] * 60,
                        teacher_s=meta["teacher_minutes"] * 60, teacher_sequences=meta.get("teacher_sequences", 0),
                        history=[tuple(h) for h in meta["history"]])
     weights = {k: v.float() for k, v in load_file(str(out_dir / WEIGHTS_FILE)).items()}
+    if widens(saved, recipe):
+        weights = widen_fc(weights, int(meta["hidden_size"]))
     return state, torch.tensor(meta["token_ids"], dtype=torch.long), weights
 
 
@@ -278,7 +309,7 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
     saved = torch.load(ckpt, weights_only=False) if resume and ckpt.exists() else None
     warm = warm_start(out_dir, recipe) if resume and saved is None else None
     if saved is not None:
-        if saved["recipe"] != asdict(recipe):
+        if not same_recipe(saved["recipe"], recipe):
             raise InvalidRequest(f"{ckpt} was made with another recipe: {saved['recipe']}")
         state = EagleState(**saved["state"])
         token_ids = saved["token_ids"]
@@ -305,7 +336,8 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
     state.teacher_s += spent
     state.elapsed_s += spent
     stored = cache.load([ex.key for ex in order])
-    seqs = {ex.key: CachedSequence(*stored[ex.key], eval_from=answer_row(ex, recipe.max_seq))
+    seqs = {ex.key: CachedSequence(*stored[ex.key], eval_from=answer_row(ex, recipe.max_seq),
+                                   first=first_token(ex, recipe.max_seq))
             for ex in order if ex.key in stored and len(stored[ex.key][1]) >= 2}
     train = [s for k, s in seqs.items() if not is_heldout(k, recipe.heldout_every)]
     heldout = [s for k, s in seqs.items() if is_heldout(k, recipe.heldout_every)]
@@ -317,7 +349,7 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
         f"draftable vocabulary {len(token_ids)}")
 
     # 2. the draft, the optimizer, the checkpoint.
-    draft = build_eagle(target, token_ids).float().train()
+    draft = build_eagle(target, token_ids, previous_token=recipe.previous_token).float().train()
     opt = torch.optim.AdamW(draft.parameters(), lr=recipe.lr, weight_decay=0.0)
     if saved is not None:
         draft.load_state_dict(saved["draft"])

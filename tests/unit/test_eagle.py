@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specdec.decode import KSchedule, plain_generate, speculative_generate
-from specdec.eagle import build_eagle, is_eagle_dir, load_eagle, save_eagle
+from specdec.eagle import build_eagle, is_eagle_dir, load_eagle, save_eagle, widen_fc
 from specdec.engine import Engine, EngineConfig
 from specdec.errors import FailedPrecondition, IncompatibleModels, InvalidRequest, ModelLoadError
 from specdec.backends.fast import FastLlamaLM
@@ -55,6 +55,18 @@ def trained_dir(tiny_target, data_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def trained_prev_dir(tiny_target, data_dir, trained_dir, tmp_path_factory):
+    """A previous_token draft: trained_dir's draft widened (a warm start from its directory) and trained on."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("eagle-prev")
+    shutil.copytree(trained_dir, root / "draft")
+    train_eagle(tiny_target, [data_dir], root / "draft", root / "work", recipe=replace(RECIPE, previous_token=True),
+                max_steps=80, resume=True, log=lambda _: None)
+    return root / "draft"
+
+
+@pytest.fixture(scope="module")
 def fast_target(tiny_target):
     return FastLlamaLM(copy.deepcopy(tiny_target.model), name=tiny_target.name)
 
@@ -73,12 +85,13 @@ def targets(tiny_target, fast_target, gguf_target):
 # --- greedy: lossless ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", ["hf", "fast", "llamacpp"])
-@pytest.mark.parametrize("trained", [False, True])
+@pytest.mark.parametrize("trained", [False, True, "previous token"])
 @pytest.mark.parametrize("k", [1, 4])
-def test_eagle_greedy_equals_plain(tiny_target, targets, trained_dir, backend, trained, k):
+def test_eagle_greedy_equals_plain(tiny_target, targets, trained_dir, trained_prev_dir, backend, trained, k):
     """On every backend, equal to that backend's own plain decoding (llama.cpp: up to its ties)."""
     target = targets[backend]
-    draft = (load_eagle(trained_dir, target, target_name=tiny_target.name) if trained
+    draft = (load_eagle(trained_prev_dir if trained == "previous token" else trained_dir, target,
+                        target_name=tiny_target.name) if trained
              else build_eagle(tiny_target, torch.arange(0, 96, 2)))
     got = check_greedy(target, EagleProposer(draft), PROMPTS, StopConditions(max_new_tokens=25), k)
     assert all(len(g.token_ids) == 25 for g in got)
@@ -129,14 +142,15 @@ def small_vocab_target():
     return tiny_llama(seed=3, vocab_size=VOCAB, num_layers=2, hidden_size=32, eos_token_id=VOCAB + 10)
 
 
-@pytest.mark.parametrize("sampling, subset", [
-    (SamplingParams(temperature=1.0, seed=11), range(VOCAB)),
-    (SamplingParams(temperature=0.8, top_k=4, top_p=0.9, seed=12), [0, 2, 3, 5]),
+@pytest.mark.parametrize("sampling, subset, previous_token", [
+    (SamplingParams(temperature=1.0, seed=11), range(VOCAB), False),
+    (SamplingParams(temperature=0.8, top_k=4, top_p=0.9, seed=12), [0, 2, 3, 5], False),
+    (SamplingParams(temperature=1.0, seed=13), range(VOCAB), True),
 ])
-def test_eagle_sampling_matches_target_distribution(small_vocab_target, sampling, subset):
+def test_eagle_sampling_matches_target_distribution(small_vocab_target, sampling, subset, previous_token):
     """subset: the tokens the draft may propose (the others have draft probability 0)."""
     lm = small_vocab_target
-    draft = build_eagle(lm, torch.tensor(list(subset)))
+    draft = build_eagle(lm, torch.tensor(list(subset)), previous_token=previous_token)
     results = speculative_generate(lm, EagleProposer(draft), [PROMPT] * ROWS, sampling=sampling,
                                    stop=StopConditions(max_new_tokens=3), k=3)
     assert sum(r.stats.accepted for r in results) > 0, "the draft never got accepted: the test checks nothing"
@@ -200,6 +214,27 @@ def test_the_proposer_gets_every_committed_feature_once_as_one_fresh_forward_com
         assert any(len(probe.seen.get(b, ())) < r.stats.target_forwards - 1 for b, r in enumerate(results))
 
 
+def test_a_widened_draft_computes_what_it_did_and_reads_the_previous_token_once_trained(tiny_target, trained_dir,
+                                                                                       trained_prev_dir):
+    """widen_fc keeps the draft's function (its new columns are zero), so training goes on from
+    it; the trained previous_token draft's features then depend on the previous token."""
+    narrow = load_eagle(trained_dir, tiny_target, drafting_dtype=torch.float32)
+    meta = json.loads((trained_dir / "eagle_vocab.json").read_text())
+    wide = build_eagle(tiny_target, torch.tensor(meta["token_ids"]), previous_token=True)
+    wide.load_state_dict(widen_fc(dict(narrow.state_dict()), 48))
+    feats, ids = torch.randn(2, 5, 48), torch.tensor([[5, 6, 7, 8, 9], [3, 3, 4, 4, 5]])
+    prev = torch.randint(0, 96, (2, 5))
+    torch.testing.assert_close(wide.extend(wide.new_cache(2), feats, ids, previous_ids=prev),
+                               narrow.extend(narrow.new_cache(2), feats, ids))
+    with pytest.raises(ValueError, match="previous_ids"):
+        wide.extend(wide.new_cache(2), feats, ids)
+    trained = load_eagle(trained_prev_dir, tiny_target, drafting_dtype=torch.float32)
+    assert trained.previous_token and json.loads((trained_prev_dir / "eagle_vocab.json").read_text())["steps"] == 80
+    a = trained.extend(trained.new_cache(2), feats, ids, previous_ids=prev)
+    b = trained.extend(trained.new_cache(2), feats, ids, previous_ids=(prev + 1) % 96)
+    assert (a - b).abs().max() > 1e-3
+
+
 class RecordingEagle(EagleProposer):
     """Records each call's context and proposals."""
 
@@ -214,12 +249,14 @@ class RecordingEagle(EagleProposer):
 
 
 @pytest.mark.parametrize("backend", ["hf", "fast"])
+@pytest.mark.parametrize("previous_token", [False, True])
 def test_each_step_drafts_what_a_fresh_draft_computes_from_every_feature(tiny_target, fast_target, trained_dir,
-                                                                        backend):
+                                                                        trained_prev_dir, backend, previous_token):
     """The proposer's rolling cache (drafted pairs dropped, true ones kept, rows leaving) drafts
-    what the draft computes from scratch: all true pairs of the committed tokens, then its chain."""
+    what the draft computes from scratch: all true pairs of the committed tokens, then its chain
+    (a previous_token draft: each pair with the token before it, committed or drafted)."""
     target = fast_target if backend == "fast" else tiny_target
-    draft = load_eagle(trained_dir, target)
+    draft = load_eagle(trained_prev_dir if previous_token else trained_dir, target)
     proposer = RecordingEagle(draft)
     prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[2]]
     eos = plain_generate(target, prompts[:1], stop=StopConditions(max_new_tokens=9))[0].token_ids[-1]
@@ -233,11 +270,13 @@ def test_each_step_drafts_what_a_fresh_draft_computes_from_every_feature(tiny_ta
             features.setdefault(row, []).append(feats)
             pairs = torch.cat(features[row])[None]  # [1, L - 1, H]: f_0..f_{L-2}
             cache = draft.new_cache(1)
-            f = draft.extend(cache, pairs, torch.tensor([toks[1:]]))[:, -1]  # [1, H]
+            f = draft.extend(cache, pairs, torch.tensor([toks[1:]]), previous_ids=torch.tensor([toks[:-1]]))[:, -1]
+            before = toks[-1]
             for d, token in enumerate(prop.token_ids):
                 logits = draft.logits(f)[0]
                 assert float(logits.max() - logits[token]) < 1e-4, (row, len(toks), d)  # the argmax, up to ties
-                f = draft.extend(cache, f[:, None], torch.tensor([[token]]))[:, 0]
+                f = draft.extend(cache, f[:, None], torch.tensor([[token]]), previous_ids=torch.tensor([[before]]))[:, 0]
+                before = token
 
 
 def test_features_must_continue_what_the_row_holds():
@@ -266,22 +305,26 @@ def test_unroll_mask_on_a_four_position_example():
     assert step2 == [1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0]
 
 
-def test_unrolled_training_step_s_is_what_drafting_at_depth_s_plus_1_computes(tiny_target):
+@pytest.mark.parametrize("previous_token", [False, True])
+def test_unrolled_training_step_s_is_what_drafting_at_depth_s_plus_1_computes(tiny_target, previous_token):
     """Training's step s at position j equals the proposer's chain: true pairs up to j - s in the
-    cache, then s pairs of the draft's own features with the true tokens."""
+    cache, then s pairs of the draft's own features with the true tokens (and the tokens before them)."""
     torch.manual_seed(0)
-    draft = build_eagle(tiny_target, torch.arange(96))
+    draft = build_eagle(tiny_target, torch.arange(96), previous_token=previous_token)
     ids = [5, 17, 33, 2, 40, 8, 11, 60]
     feats = tiny_target.forward(tiny_target.new_cache(1), torch.tensor([ids]), want_hidden=True).hidden  # [1, 8, H]
-    tokens = torch.tensor([ids[1:]])  # pair j = (f_j, t_{j+1}), j = 0..6
+    tokens, before = torch.tensor([ids[1:]]), torch.tensor([ids[:-1]])  # pair j = (f_j, t_{j+1}; t_j), j = 0..6
     with torch.no_grad():
-        outs = unrolled_outputs(draft, feats[:, :7], tokens, torch.ones(1, 7, dtype=torch.bool), unroll=3)
+        outs = unrolled_outputs(draft, feats[:, :7], tokens, torch.ones(1, 7, dtype=torch.bool), unroll=3,
+                                previous=before)
     for s in range(3):
         for j in range(s, 7):
             cache = draft.new_cache(1)
-            f = draft.extend(cache, feats[:, : j - s + 1], tokens[:, : j - s + 1])[:, -1]
+            f = draft.extend(cache, feats[:, : j - s + 1], tokens[:, : j - s + 1],
+                             previous_ids=before[:, : j - s + 1])[:, -1]
             for d in range(1, s + 1):
-                f = draft.extend(cache, f[:, None], tokens[:, j - s + d : j - s + d + 1])[:, 0]
+                at = slice(j - s + d, j - s + d + 1)
+                f = draft.extend(cache, f[:, None], tokens[:, at], previous_ids=before[:, at])[:, 0]
             torch.testing.assert_close(outs[s][0, j], f[0], atol=1e-5, rtol=1e-5)
 
 
@@ -361,15 +404,16 @@ def test_a_float32_draft_drafts_in_float16_weights_close_to_its_own(tiny_target,
     torch.testing.assert_close(c, reference, atol=1e-5, rtol=1e-5)
 
 
-def test_batch_labels_are_the_targets_next_top1_in_the_subset(tiny_target):
+def test_batch_labels_are_the_targets_next_top1_in_the_subset_beside_the_previous_tokens(tiny_target):
     from specdec.training.eagle import CachedSequence
 
     to_subset = torch.full((96,), -1, dtype=torch.long)
     to_subset[torch.tensor([4, 7])] = torch.tensor([0, 1])
     seq = CachedSequence(torch.zeros(4, 48, dtype=torch.float16), torch.tensor([1, 2, 3, 4], dtype=torch.int32),
-                         torch.tensor([9, 7, 4, 5], dtype=torch.int32), eval_from=1)
+                         torch.tensor([9, 7, 4, 5], dtype=torch.int32), eval_from=1, first=8)
     batch = make_batch([seq], to_subset)
     assert batch.labels[0].tolist() == [1, 0, -1, -1]  # y_{j+1}: 7, 4, 5 (outside), none past the end
+    assert batch.previous[0].tolist() == [8, 1, 2, 3]  # t_j beside t_{j+1}: t_0 is the sequence's first
     assert batch.has_target[0].tolist() == [True, True, True, False]
     assert batch.judged[0].tolist() == [False, True, True, False]
 
