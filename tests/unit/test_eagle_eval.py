@@ -1,0 +1,34 @@
+"""Comparing EAGLE drafts on prompts (specdec.training.eagle_eval): chains counted by hand, and a
+trained draft scores above an untrained one on what it was trained on."""
+
+import torch
+
+from specdec.decode import plain_generate
+from specdec.eagle import build_eagle, load_eagle
+from specdec.training.eagle_eval import accepted_lengths, compare
+from specdec.types import StopConditions
+from tests.unit.test_eagle import _answers, data_dir, trained_dir  # noqa: F401 (fixtures)
+
+
+def test_a_chain_counts_its_tokens_up_to_the_first_wrong_one():
+    # step s right at position p + s; chains from p = 0..4
+    hits = torch.tensor([[1, 1, 0, 1, 1],    # depth 1 right from p = 0, 1, 3, 4
+                         [0, 1, 1, 0, 1],    # depth 2 (at p + 1) right from p = 0, 1, 3
+                         [0, 0, 1, 1, 0]], dtype=torch.bool)  # depth 3 (at p + 2) right from p = 0, 1
+    judged = torch.tensor([True, True, True, True, False])
+    right, n = accepted_lengths(hits, judged)
+    assert n == 4
+    assert right == [3, 3, 2]  # p = 0, 1, 3 | 0, 1, 3 | 0, 1
+
+
+def test_a_trained_draft_scores_above_an_untrained_one(tiny_target, trained_dir):  # noqa: F811
+    prompts = [("synthetic", r["prompt_ids"]) for r in _answers(tiny_target, 4, seed=0)]
+    drafts = {"trained": load_eagle(trained_dir, tiny_target), "untrained": build_eagle(tiny_target, torch.arange(64))}
+    table = compare(tiny_target, drafts, prompts, max_new_tokens=16, k=3)
+    trained, untrained = table["trained"]["all"], table["untrained"]["all"]
+    stop = StopConditions(max_new_tokens=16, eos_token_ids=tiny_target.eos_token_ids)
+    answers = plain_generate(tiny_target, [p for _, p in prompts], stop=stop)
+    assert trained["chains"] == untrained["chains"] == sum(len(a.token_ids) - 1 for a in answers)  # tokens 2..
+    assert trained["alpha"] > untrained["alpha"] + 0.1 and trained["accepted"] > untrained["accepted"]
+    assert trained["accepted"] >= trained["alpha"]  # a chain accepts its first token at least
+    assert set(table["trained"]) == {"synthetic", "all"}
