@@ -10,8 +10,9 @@ into the fused ones, so no memory is doubled), and runs the decoder with
   bookkeeping;
 - grouped-query attention without repeating K/V: the query heads that share a K/V head are
   folded into that head's query rows;
-- the matmul call chosen by row count (see `linear_rows`): about 1.9x faster at 1-2 rows than
-  F.linear here.
+- the matmul call chosen by row count and weight, timed on the host it runs on (see
+  `linear_rows`): about 1.9x faster at 1-2 rows than F.linear on the EPYC it was first measured
+  on, 2.5-3x slower on an Intel Xeon (AVX-512, AMX), where F.linear wins.
 
 Numerics follow transformers' Llama op for op (RMSNorm in float32, RoPE tables computed the same
 way, SDPA with an additive mask), so logits agree to float rounding; greedy outputs agree except
@@ -29,11 +30,13 @@ Limitations: Llama-family decoders only (no attention/MLP biases, SiLU MLP, stat
 types); `supports_fast(config)` says why a model is refused. Not for sliding-window models.
 FastKVCache has no transformers cache layers; it stacks and splits (specdec/backends/kv_stack.py, the
 services' batching) through the same `layer_kv` / `load_layer_kv` as KVCache. The kernel
-thresholds were measured on one CPU; on a GPU every matmul is F.linear.
+choice is timed on the host at first use of each product shape (up to 8 rows); on a GPU every
+matmul is F.linear.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional
 
 import torch
@@ -149,34 +152,70 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(x.dtype)
 
 
-# Row counts for which `W @ x.T` (MKL gemm with the weight as the left, untransposed operand)
-# beats F.linear's `x @ W.T`, measured on this project's 2-core AMD EPYC (torch 2.13, MKL,
-# weights streamed from DRAM, 1 thread; microseconds per call, SmolLM2-135M shapes):
-#   gate/up 576->3072: rows 1: 693 vs 375 (padded to 2 rows), 2: 1229 vs 364, 4: 926 vs 492, 8: 1116 vs 892
-#   down 1536->576:    rows 1: 247 vs 217, 2: 373 vs 202, 4: 358 vs 517 (worse), 8: 462 vs 753 (worse)
-#   output 576->49152: rows 1: 11.1 ms vs 5.6, 2: 24.1 vs 5.6, 4: 18.3 vs 8.2, 8: 22.0 vs 14.2, 12: 24 vs 33
-# MKL's 1-row path (gemv) and its few-row x @ W.T path read the weights about half as fast as
-# W @ x.T does, so a 1-row input is padded to 2 rows.
-_NT_MAX_ROWS = 2  # always W @ x.T up to here
-_NT_MAX_ROWS_NARROW = 8  # ... and up to here when the input width is at most _NT_NARROW_IN
-_NT_NARROW_IN = 1024
+# `W @ x.T` (MKL gemm with the weight as the left, untransposed operand) or F.linear's `x @ W.T`:
+# which is faster depends on the host. On this project's 2-core AMD EPYC (torch 2.13, MKL, 1
+# thread, microseconds per call, SmolLM2-135M shapes, W @ x.T vs F.linear):
+#   gate/up 576->3072: rows 1: 375 (padded to 2 rows) vs 693, 2: 364 vs 1229, 4: 492 vs 926, 8: 892 vs 1116
+#   output 576->49152: rows 1: 5.6 ms vs 11.1, 2: 5.6 vs 24.1, 4: 8.2 vs 18.3, 8: 14.2 vs 22.0
+# On an Intel Xeon with AVX-512 and AMX (2 threads), the other way round:
+#   gate/up 576->3072: rows 1: 335 vs 131, 2: 329 vs 131, 4: 328 vs 253, 8: 342 vs 375
+#   output 576->49152: rows 1: 17.5 ms vs 5.3, 2: 15.5 vs 6.0, 4: 11.7 vs 11.4, 8: 12.0 vs 18.1
+# So the choice is timed where it runs: once per (rows, weight shape, dtype), at first use.
+_NT_MAX_ROWS = 8  # more rows: always F.linear
+_TIMING_REPEATS = 3
+
+
+def _nt_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [m, in] @ weight.T as W @ x.T; a 1-row input is padded to 2 rows (MKL's 1-row gemv path
+    reads the weights about half as fast on the EPYC)."""
+    m = x.shape[0]
+    rows = torch.cat((x, x)) if m == 1 else x  # a real copy: a stride-0 operand would leave BLAS
+    return torch.mm(weight, rows.t())[:, :m].t().contiguous()
+
+
+def _seconds(fn: Callable[[], torch.Tensor], repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+class KernelChoice:
+    """Per (rows, weight shape, dtype): whether W @ x.T beats F.linear on this host, timed once
+    (best of a few calls each) the first time that product is asked for."""
+
+    def __init__(self, repeats: int = _TIMING_REPEATS,
+                 seconds: Callable[[Callable[[], torch.Tensor], int], float] = _seconds):
+        self.repeats = repeats
+        self.seconds = seconds  # (call, repeats) -> its time
+        self._nt: dict[tuple, bool] = {}
+
+    def use_nt(self, m: int, weight: torch.Tensor) -> bool:
+        key = (m, tuple(weight.shape), weight.dtype)
+        if key not in self._nt:
+            with torch.inference_mode():
+                x = torch.ones(m, weight.shape[1], dtype=weight.dtype)  # (the global RNG left alone)
+                self._nt[key] = (self.seconds(lambda: _nt_product(x, weight), self.repeats)
+                                 < self.seconds(lambda: F.linear(x, weight), self.repeats))
+        return self._nt[key]
+
+
+_KERNELS = KernelChoice()  # the host's timings, shared by every model in the process
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
-    """x [..., in] @ weight[out, in].T -> [..., out], with the fastest MKL call for the row count
-    (kernel: "auto"; "nt" or "linear" force one path, for tests)."""
+    """x [..., in] @ weight[out, in].T -> [..., out], with the MKL call this host runs fastest for
+    the row count and weight (kernel: "auto"; "nt" or "linear" force one path, for tests)."""
     if x.dtype != weight.dtype:  # reduced-precision weights (fast-bf16, lossy and opt-in; EAGLE drafting): oneDNN
         return F.linear(x.to(weight.dtype), weight).to(x.dtype)
     m = x.numel() // x.shape[-1]
-    use_nt = kernel == "nt" or (kernel == "auto" and (
-        m <= _NT_MAX_ROWS or (m <= _NT_MAX_ROWS_NARROW and weight.shape[1] <= _NT_NARROW_IN)))
-    if not use_nt or x.device.type != "cpu":
+    if x.device.type != "cpu" or kernel == "linear" or (kernel == "auto" and (
+            m > _NT_MAX_ROWS or not _KERNELS.use_nt(m, weight))):
         return F.linear(x, weight)
-    rows = x.reshape(m, x.shape[-1])  # [m, in]
-    if m == 1:
-        rows = torch.cat((rows, rows))  # a real copy: a stride-0 operand would leave BLAS
-    y = torch.mm(weight, rows.t())  # [out, max(m, 2)]
-    return y[:, :m].t().contiguous().view(*x.shape[:-1], weight.shape[0])
+    return _nt_product(x.reshape(m, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdec.decode import plain_generate, speculative_generate
 from specdec.errors import ModelLoadError
 from specdec.backends.fast import FastKVCache, FastLlamaLM, supports_fast
-from specdec.backends.fast import linear_rows
+from specdec.backends.fast import KernelChoice, linear_rows
 from specdec.backends.hf import CausalLM
 from specdec.proposers import DraftModelProposer, PromptLookupProposer
 from specdec.tree import block_mask, depths
@@ -148,6 +148,26 @@ def test_linear_kernels_agree_with_f_linear(rows, kernel):
     x = torch.randn(1, rows, 40, generator=gen)
     w = torch.randn(24, 40, generator=gen)
     torch.testing.assert_close(linear_rows(x, w, kernel), torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("nt_wins", [True, False])
+def test_kernel_choice_takes_the_path_this_host_times_faster_once_per_shape(nt_wins):
+    """The W @ x.T vs F.linear choice is the host's, not the machine's it was written on (on an
+    Intel Xeon with AMX the EPYC's fixed choice halved plain decoding's speed)."""
+    timed = []
+
+    def seconds(call, repeats):
+        assert call().shape[1] == 24  # the product itself runs
+        is_nt = len(timed) % 2 == 0  # per shape, the W @ x.T path is timed first
+        timed.append(is_nt)
+        return 1.0 if is_nt == nt_wins else 2.0
+
+    choice = KernelChoice(seconds=seconds)
+    w = torch.randn(24, 40)
+    assert choice.use_nt(3, w) is nt_wins
+    assert choice.use_nt(3, w) is nt_wins and len(timed) == 2  # timed once per shape
+    choice.use_nt(4, w)
+    assert len(timed) == 4  # another row count is timed anew
 
 
 def test_reduced_precision_weights_stay_close(tiny_target):
