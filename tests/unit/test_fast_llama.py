@@ -170,6 +170,27 @@ def test_kernel_choice_takes_the_path_this_host_times_faster_once_per_shape(nt_w
     assert len(timed) == 4  # another row count is timed anew
 
 
+def test_a_model_times_its_kernel_choices_at_load_not_in_its_first_request(tiny_target, monkeypatch):
+    from specdec.backends import fast
+
+    timed = []
+
+    def seconds(call, repeats):
+        timed.append(tuple(call().shape))
+        return 1.0
+
+    monkeypatch.setattr(fast, "_KERNELS", KernelChoice(seconds=seconds))
+    model = FastLlamaLM(copy.deepcopy(tiny_target.model))
+    vocab = model.lm_head.shape[0]
+    assert {(m, vocab) for m in range(1, 9)} <= set(timed)  # the output layer, every row count up to 8
+    at_load = len(timed)
+    cache = model.new_cache(1)
+    model.forward(cache, torch.tensor([[3, 4, 5]]))
+    for rows in range(1, 9):  # decoding steps and verified blocks of 1-8 tokens
+        model.forward(cache, torch.arange(3, 3 + rows)[None])
+    assert len(timed) == at_load
+
+
 def test_reduced_precision_weights_stay_close(tiny_target):
     fast = FastLlamaLM(copy.deepcopy(tiny_target.model), weight_dtype=torch.bfloat16)
     ref = tiny_target
