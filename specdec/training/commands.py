@@ -125,6 +125,14 @@ def add_train_eagle(tsub: argparse._SubParsersAction) -> None:
     p.add_argument("--previous-token", action="store_true",
                    help="each pair reads the token before its own too (copying from the context in one layer); "
                         "with --resume from a draft made without it, that draft is widened and trained on")
+    p.add_argument("--soft-labels", action="store_true",
+                   help="token loss against the target's distribution over the subset (EAGLE's), not its top-1")
+    p.add_argument("--token-weight", type=float, default=d.token_weight,
+                   help=f"weight of the token loss (default {d.token_weight})")
+    p.add_argument("--feature-weight", type=float, default=d.feature_weight,
+                   help=f"weight of the feature regression (default {d.feature_weight})")
+    p.add_argument("--init", type=Path, default=None, metavar="DIR",
+                   help="start from this EAGLE draft's weights and vocabulary (any loss recipe; a new schedule)")
     p.add_argument("--checkpoint-every", type=float, default=5.0, metavar="MIN",
                    help="minutes between checkpoints (default 5)")
     p.add_argument("--backend", default="fast", help="target backend for the teacher (default fast)")
@@ -147,10 +155,13 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
         raise SpecdecError("give --time-budget MIN or --steps N")
     if args.vocab < 1 or args.tokens_per_step < 1 or args.unroll < 1:
         raise SpecdecError("--vocab, --tokens-per-step and --unroll must be >= 1")
+    if args.token_weight < 0 or args.feature_weight < 0 or args.token_weight + args.feature_weight == 0:
+        raise SpecdecError("--token-weight and --feature-weight must be >= 0, not both 0")
     target = load_model(args.target, backend=args.backend)
     recipe = EagleRecipe(vocab=args.vocab, tokens_per_step=args.tokens_per_step, unroll=args.unroll, lr=args.lr,
-                         previous_token=args.previous_token)
-    train_eagle(target.lm, data, args.out, args.work or Path("runs/eagle"), recipe=recipe,
+                         previous_token=args.previous_token, soft_labels=args.soft_labels,
+                         token_weight=args.token_weight, feature_weight=args.feature_weight)
+    train_eagle(target.lm, data, args.out, args.work or Path("runs/eagle"), recipe=recipe, init=args.init,
                 target_name=_target_name(args.target),
                 time_budget_s=None if args.time_budget is None else args.time_budget * 60,
                 max_steps=args.steps, resume=args.resume, checkpoint_every_s=args.checkpoint_every * 60,

@@ -72,12 +72,13 @@ class EagleRecipe:
     heldout_every: int = 20  # sequences whose key is 0 modulo this are held out
     seed: int = 0
     previous_token: bool = False  # pairs read the token before theirs too (specdec.eagle: copying in one layer)
+    soft_labels: bool = False  # token loss against the target's distribution over the subset, not its top-1
 
 
 def same_recipe(saved: dict, recipe: EagleRecipe) -> bool:
     """Whether a recipe stored by a run (its dict; keys added since take their old meaning)
     is `recipe`."""
-    return {"previous_token": False, **saved} == asdict(recipe)
+    return {"previous_token": False, "soft_labels": False, **saved} == asdict(recipe)
 
 
 def widens(saved: dict, recipe: EagleRecipe) -> bool:
@@ -216,6 +217,13 @@ def unrolled_outputs(draft: EagleDraft, features: torch.Tensor, tokens: torch.Te
     return outs
 
 
+def teacher_probs(draft: EagleDraft, features: torch.Tensor) -> torch.Tensor:
+    """The target's next-token distribution restricted to the draft's subset (renormalized), from
+    its features [N, H] through its own output rows: [N, subset]. The features are the target's
+    after its final norm, so these are its logits over the subset exactly (up to float16 caching)."""
+    return torch.softmax(draft.subset_logits(features.float()), dim=-1)
+
+
 def unrolled_loss(draft: EagleDraft, batch: Batch, recipe: EagleRecipe
                   ) -> tuple[torch.Tensor, list[tuple[int, int]], int]:
     """-> (weighted loss, [(agreeing, judged) positions per drafting depth], pairs with a target)."""
@@ -227,7 +235,9 @@ def unrolled_loss(draft: EagleDraft, batch: Batch, recipe: EagleRecipe
         pred, labels = out[use], batch.labels[use]  # [N, H], [N]
         logits = draft.subset_logits(pred)  # [N, subset]
         loss = recipe.feature_weight * F.smooth_l1_loss(pred, target[use])
-        if (labels >= 0).any():
+        if recipe.soft_labels:  # EAGLE's own classification loss: the target's p(t_{j+2}) from f_{j+1}
+            loss = loss + recipe.token_weight * F.cross_entropy(logits, teacher_probs(draft, target[use]))
+        elif (labels >= 0).any():
             loss = loss + recipe.token_weight * F.cross_entropy(logits, labels, ignore_index=-1)
         total = total + recipe.step_decay ** s * loss
         judged = batch.judged[use]
@@ -257,8 +267,10 @@ def recipe_markdown(meta: dict) -> str:
              f"{meta['train_minutes']} minutes ({meta['teacher_minutes']} of them the teacher pass)",
              "- held-out top-1 agreement with the target by drafting depth: "
              + (", ".join(f"{i + 1}: {a}" for i, a in enumerate(agree)) or "none measured"),
-             f"- recipe: {meta['recipe']}", "",
-             "History (training positions, agreement by depth, held-out loss):", ""]
+             f"- recipe: {meta['recipe']}"]
+    if meta.get("init"):
+        lines.append(f"- started from the weights of {meta['init']} (its steps and minutes are not counted here)")
+    lines += ["", "History (training positions, agreement by depth, held-out loss):", ""]
     lines += [f"    {h[0]:>10,}  {h[1]}  {h[2]}" for h in meta["history"]]
     return "\n".join(lines) + "\n"
 
@@ -282,8 +294,24 @@ def warm_start(out_dir: Path, recipe: EagleRecipe) -> Optional[tuple[EagleState,
     return state, torch.tensor(meta["token_ids"], dtype=torch.long), weights
 
 
+def init_weights(init_dir: Path, recipe: EagleRecipe) -> tuple[torch.Tensor, dict]:
+    """(vocabulary, float32 weights) of an EAGLE directory to start a run of `recipe` from, whatever
+    recipe made it (the loss may differ; the draft's shape may not, but a draft without
+    previous_token is widened for a recipe with it)."""
+    if not is_eagle_dir(init_dir):
+        raise InvalidRequest(f"--init {init_dir}: not an EAGLE draft directory")
+    meta = json.loads((init_dir / VOCAB_FILE).read_text())
+    had_previous = bool((meta.get("recipe") or {}).get("previous_token", False))
+    if had_previous and not recipe.previous_token:
+        raise InvalidRequest(f"--init {init_dir} reads the previous token: train with --previous-token")
+    weights = {k: v.float() for k, v in load_file(str(init_dir / WEIGHTS_FILE)).items()}
+    if recipe.previous_token and not had_previous:
+        weights = widen_fc(weights, int(meta["hidden_size"]))
+    return torch.tensor(meta["token_ids"], dtype=torch.long), weights
+
+
 def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work_dir: Path, *,
-                recipe: EagleRecipe = EagleRecipe(), target_name: Optional[str] = None,
+                recipe: EagleRecipe = EagleRecipe(), init: Optional[Path] = None, target_name: Optional[str] = None,
                 time_budget_s: Optional[float] = None, max_steps: Optional[int] = None, resume: bool = False,
                 checkpoint_every_s: float = 300.0, teacher_share: float = 0.5, command: Optional[str] = None,
                 log: Callable[[str], None] = print) -> EagleState:
@@ -291,7 +319,9 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
     self-distilled parts; writes out_dir (the draft) and, in work_dir, the teacher cache and
     checkpoint.pt. Stops at max_steps or once time_budget_s (teacher pass included, summed over
     resumed runs) is spent, whichever comes first; the teacher pass gets at most teacher_share
-    of the time left (all of the data when there is no time budget)."""
+    of the time left (all of the data when there is no time budget). `init`: an EAGLE directory
+    whose weights and vocabulary a new run starts from (step 0, its own warm-up and schedule);
+    a checkpoint in work_dir, or with `resume` this recipe's draft in out_dir, goes before it."""
     if time_budget_s is None and max_steps is None:
         raise InvalidRequest("give a time budget or a step budget")
     out_dir, work_dir = Path(out_dir), Path(work_dir)
@@ -315,6 +345,8 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
         token_ids = saved["token_ids"]
     elif warm is not None:
         state, token_ids, warm_weights = warm
+    elif init is not None:
+        token_ids, warm_weights = init_weights(Path(init), recipe)
     else:
         token_ids = frequent_tokens(examples, recipe.vocab, target.eos_token_ids)
 
@@ -361,7 +393,17 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
         draft.load_state_dict(warm_weights)
         log(f"warm start from {out_dir} at step {state.step} ({state.tokens_seen} positions, "
             f"{state.elapsed_s / 60:.1f} min): fresh optimizer, new warm-up")
+    elif init is not None:
+        draft.load_state_dict(warm_weights)
+        log(f"started from the weights of {init}")
     rewarm_from = state.step if warm is not None else 0
+    # the directory the run's first weights came from: kept across resumes (in the checkpoint and the meta)
+    if saved is not None:
+        meta_init = saved.get("init")
+    elif warm is not None:
+        meta_init = json.loads((out_dir / VOCAB_FILE).read_text()).get("init")
+    else:
+        meta_init = None if init is None else str(init)
 
     def progress() -> float:
         by_steps = state.step / max_steps if max_steps else 0.0
@@ -385,9 +427,10 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
         tmp = work_dir / "checkpoint.pt.tmp"
         torch.save({"draft": draft.state_dict(), "optimizer": opt.state_dict(), "state": asdict(state),
                     "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "token_ids": token_ids,
-                    "recipe": asdict(recipe)}, tmp)
+                    "recipe": asdict(recipe), "init": meta_init}, tmp)
         tmp.replace(ckpt)
         meta = {"target": target_name, "recipe": asdict(recipe), "command": command, "data": data_counts,
+                "init": meta_init,
                 "train_sequences": len(train), "heldout_sequences": len(heldout), "steps": state.step,
                 "tokens_seen": state.tokens_seen, "train_minutes": round(state.elapsed_s / 60, 1),
                 "teacher_minutes": round(state.teacher_s / 60, 1), "teacher_sequences": state.teacher_sequences,

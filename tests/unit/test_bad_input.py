@@ -28,6 +28,17 @@ def test_cli_reports_bad_input_in_one_line(capsys, args, message):
     assert "\n" not in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("weights, message", [
+    (["--token-weight", "0", "--feature-weight", "0"], "not both 0"),
+    (["--token-weight", "-1"], "must be >= 0"),
+])
+def test_train_eagle_refuses_loss_weights_that_train_nothing(tmp_path, capsys, weights, message):
+    code = main(["train", "eagle", "--out", str(tmp_path / "d"), "--data", str(tmp_path), "--steps", "1", *weights])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("specdec: error:") and message in err and "\n" not in err
+
+
 def test_cli_refuses_draft_with_another_vocabulary(tmp_path, capsys):
     tiny_llama(seed=0, vocab_size=64).model.save_pretrained(tmp_path / "target")
     tiny_llama(seed=1, vocab_size=80).model.save_pretrained(tmp_path / "draft")

@@ -363,6 +363,54 @@ def test_resume_on_a_new_machine_warm_starts_from_the_output_directory(tiny_targ
     assert json.loads((out / "eagle_vocab.json").read_text())["steps"] == 8
 
 
+def test_soft_labels_are_the_targets_own_distribution_over_the_subset(tiny_target, trained_dir):
+    """EAGLE's token loss: the target's p(next) from its next feature, through its own output rows."""
+    from specdec.training.eagle import teacher_probs
+
+    draft = load_eagle(trained_dir, tiny_target)
+    ids = torch.tensor([[5, 17, 33, 2, 40, 9]])
+    out = tiny_target.forward(tiny_target.new_cache(1), ids, want_hidden=True)
+    full = torch.softmax(out.logits[0].float(), dim=-1)[:, draft.token_ids]  # [q, subset]
+    torch.testing.assert_close(teacher_probs(draft, out.hidden[0]), full / full.sum(-1, keepdim=True),
+                               atol=1e-5, rtol=1e-4)
+
+
+def test_soft_label_training_learns(tiny_target, data_dir, tmp_path):
+    soft = replace(RECIPE, soft_labels=True, token_weight=1.0)
+    untrained = train_eagle(tiny_target, [data_dir], tmp_path / "d0", tmp_path / "w0", recipe=soft, max_steps=0,
+                            log=lambda _: None)
+    state = train_eagle(tiny_target, [data_dir], tmp_path / "draft", tmp_path / "work", recipe=soft, max_steps=40,
+                        log=lambda _: None)
+    # held-out top-1 agreement at depth 1 and held-out loss, against the same draft untrained
+    assert state.history[-1][1][0] > 3 * untrained.history[-1][1][0] + 0.03
+    assert state.history[-1][2] < 0.95 * untrained.history[-1][2]
+
+
+def test_init_starts_a_new_recipe_from_another_drafts_weights(tiny_target, data_dir, trained_dir, tmp_path):
+    """--init: a run with another loss (or with the previous token) starts from a draft's weights
+    and vocabulary, at step 0 on its own schedule, and its RECIPE.md says where it started."""
+    from safetensors.torch import load_file
+
+    out, lines = tmp_path / "draft", []
+    soft = replace(RECIPE, soft_labels=True, token_weight=1.0, previous_token=True)
+    state = train_eagle(tiny_target, [data_dir], out, tmp_path / "work", recipe=soft, init=trained_dir, max_steps=0,
+                        log=lines.append)
+    assert state.step == 0 and any(line == f"started from the weights of {trained_dir}" for line in lines)
+    before, after = load_file(str(trained_dir / "eagle.safetensors")), load_file(str(out / "eagle.safetensors"))
+    assert after.keys() == before.keys()
+    for name, tensor in before.items():
+        expect = widen_fc({name: tensor.float()}, tensor.shape[0])[name] if name == "fc.weight" else tensor
+        torch.testing.assert_close(after[name].float(), expect.float())
+    meta = json.loads((out / "eagle_vocab.json").read_text())
+    assert meta["token_ids"] == json.loads((trained_dir / "eagle_vocab.json").read_text())["token_ids"]
+    assert f"started from the weights of {trained_dir}" in (out / "RECIPE.md").read_text()
+    trained = train_eagle(tiny_target, [data_dir], out, tmp_path / "work", recipe=soft, init=trained_dir, max_steps=3,
+                          resume=True, log=lines.append)  # resumes its own checkpoint, not the init again
+    assert trained.step == 3 and json.loads((out / "eagle_vocab.json").read_text())["init"] == str(trained_dir)
+    with pytest.raises(InvalidRequest, match="previous token"):
+        train_eagle(tiny_target, [data_dir], tmp_path / "d2", tmp_path / "w2", recipe=RECIPE, init=out, max_steps=0)
+
+
 def test_a_draft_refuses_another_target(tiny_target, trained_dir, tmp_path):
     with pytest.raises(IncompatibleModels, match="trained for target"):
         load_eagle(trained_dir, tiny_llama(seed=1, vocab_size=96, num_layers=2, hidden_size=48))
