@@ -30,7 +30,8 @@ Limitations: Llama-family decoders only (no attention/MLP biases, SiLU MLP, stat
 types); `supports_fast(config)` says why a model is refused. Not for sliding-window models.
 FastKVCache has no transformers cache layers; it stacks and splits (specdec/backends/kv_stack.py, the
 services' batching) through the same `layer_kv` / `load_layer_kv` as KVCache. The kernel
-choice is timed on the host at first use of each product shape (up to 8 rows); on a GPU every
+choice is timed on the host when a model loads, for each of its product shapes and 1-8 rows
+(0.7 s for SmolLM2-135M, mostly the output layer; any other product at its first use); on a GPU every
 matmul is F.linear.
 """
 
@@ -160,7 +161,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 # On an Intel Xeon with AVX-512 and AMX (2 threads), the other way round:
 #   gate/up 576->3072: rows 1: 335 vs 131, 2: 329 vs 131, 4: 328 vs 253, 8: 342 vs 375
 #   output 576->49152: rows 1: 17.5 ms vs 5.3, 2: 15.5 vs 6.0, 4: 11.7 vs 11.4, 8: 12.0 vs 18.1
-# So the choice is timed where it runs: once per (rows, weight shape, dtype), at first use.
+# So the choice is timed where it runs: once per (rows, weight shape, dtype), when a model loads
+# (KernelChoice.prepare) or at first use.
 _NT_MAX_ROWS = 8  # more rows: always F.linear
 _TIMING_REPEATS = 3
 
