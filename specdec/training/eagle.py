@@ -93,7 +93,8 @@ class EagleState(TrainState):
 
     teacher_s: float = 0.0  # of which the teacher pass
     teacher_sequences: int = 0  # sequences whose features the teacher computed, over all runs
-    # history: [(tokens seen, held-out top-1 agreement per drafting depth, held-out loss)]
+    # history: [(tokens seen, held-out top-1 agreement per drafting depth, held-out loss, held-out sequences)]
+    # (entries written before the held-out count was recorded have 3 items)
 
 
 @dataclass(frozen=True)
@@ -270,8 +271,11 @@ def recipe_markdown(meta: dict) -> str:
              f"- recipe: {meta['recipe']}"]
     if meta.get("init"):
         lines.append(f"- started from the weights of {meta['init']} (its steps and minutes are not counted here)")
-    lines += ["", "History (training positions, agreement by depth, held-out loss):", ""]
-    lines += [f"    {h[0]:>10,}  {h[1]}  {h[2]}" for h in meta["history"]]
+    lines += ["", "History (training positions, agreement by depth, held-out loss, held-out sequences):", ""]
+    lines += [f"    {h[0]:>10,}  {h[1]}  {h[2]}  {h[3] if len(h) > 3 else '?'}" for h in meta["history"]]
+    if len({h[3] if len(h) > 3 else None for h in meta["history"]}) > 1:
+        lines += ["", "The held-out set changed during the run (the data grew between resumed runs, or earlier rows "
+                  "did not record its size): rows over different held-out sets do not compare."]
     return "\n".join(lines) + "\n"
 
 
@@ -410,7 +414,7 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
         by_time = state.elapsed_s / time_budget_s if time_budget_s else 0.0
         return max(by_steps, by_time)
 
-    def evaluate() -> tuple[int, list[float], float]:
+    def evaluate() -> tuple[int, list[float], float, int]:
         draft.eval()
         hits = [[0, 0] for _ in range(recipe.unroll)]
         loss_sum, count = 0.0, 0
@@ -421,7 +425,8 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
                 for h, (a, j) in zip(hits, agreement):
                     h[0], h[1] = h[0] + a, h[1] + j
         draft.train()
-        return state.tokens_seen, [round(a / max(j, 1), 4) for a, j in hits], round(loss_sum / max(count, 1), 4)
+        return (state.tokens_seen, [round(a / max(j, 1), 4) for a, j in hits], round(loss_sum / max(count, 1), 4),
+                len(heldout))
 
     def checkpoint(final: bool) -> None:
         tmp = work_dir / "checkpoint.pt.tmp"

@@ -363,6 +363,25 @@ def test_resume_on_a_new_machine_warm_starts_from_the_output_directory(tiny_targ
     assert json.loads((out / "eagle_vocab.json").read_text())["steps"] == 8
 
 
+def test_recipe_says_when_the_held_out_set_grew_between_resumed_runs(tiny_target, data_dir, tmp_path):
+    """Data added between runs grows the held-out set: the history names each row's held-out size,
+    and RECIPE.md says the rows before and after do not compare."""
+    import shutil
+
+    data, out = tmp_path / "data", tmp_path / "draft"
+    shutil.copytree(data_dir, data)
+    first = train_eagle(tiny_target, [data], out, tmp_path / "work", recipe=RECIPE, max_steps=2, log=lambda _: None)
+    n_before = first.history[-1][3]
+    assert n_before > 0 and "do not compare" not in (out / "RECIPE.md").read_text()
+    write_part(data, 40, [dict(row, index=40 + i) for i, row in enumerate(_answers(tiny_target, 30, seed=7))])
+    second = train_eagle(tiny_target, [data], out, tmp_path / "work", recipe=RECIPE, max_steps=4, resume=True,
+                         log=lambda _: None)
+    assert second.history[-1][3] > n_before
+    recipe_md = (out / "RECIPE.md").read_text()
+    assert f"  {n_before}\n" in recipe_md and f"  {second.history[-1][3]}\n" in recipe_md
+    assert "The held-out set changed during the run" in recipe_md
+
+
 def test_soft_labels_are_the_targets_own_distribution_over_the_subset(tiny_target, trained_dir):
     """EAGLE's token loss: the target's p(next) from its next feature, through its own output rows."""
     from specdec.training.eagle import teacher_probs
