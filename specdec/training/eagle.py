@@ -271,9 +271,10 @@ def recipe_markdown(meta: dict) -> str:
              f"- recipe: {meta['recipe']}"]
     if meta.get("init"):
         lines.append(f"- started from the weights of {meta['init']} (its steps and minutes are not counted here)")
+    heldout_sizes = [h[3] if len(h) > 3 else "?" for h in meta["history"]]  # "?": rows from before it was kept
     lines += ["", "History (training positions, agreement by depth, held-out loss, held-out sequences):", ""]
-    lines += [f"    {h[0]:>10,}  {h[1]}  {h[2]}  {h[3] if len(h) > 3 else '?'}" for h in meta["history"]]
-    if len({h[3] if len(h) > 3 else None for h in meta["history"]}) > 1:
+    lines += [f"    {h[0]:>10,}  {h[1]}  {h[2]}  {n}" for h, n in zip(meta["history"], heldout_sizes)]
+    if len(set(heldout_sizes)) > 1:
         lines += ["", "The held-out set changed during the run (the data grew between resumed runs, or earlier rows "
                   "did not record its size): rows over different held-out sets do not compare."]
     return "\n".join(lines) + "\n"
