@@ -186,15 +186,32 @@ class EagleDraft(torch.nn.Module):
         return self._drafting
 
     @torch.inference_mode()
+    def top_tokens(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafting: features [..., H] -> the k likeliest tokens (ids [..., k], best first) and their
+        log-probabilities [..., k] (float32), over the subset (the tokens outside it have none)."""
+        sub = linear_rows(features, self.drafting().head).float()
+        top = sub.topk(k, dim=-1)
+        return self.token_ids[top.indices], top.values - torch.logsumexp(sub, dim=-1, keepdim=True)
+
+    @torch.inference_mode()
     def extend(self, cache: FastKVCache, features: torch.Tensor, input_ids: torch.Tensor,
-               input_valid: Optional[torch.Tensor] = None, previous_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+               input_valid: Optional[torch.Tensor] = None, previous_ids: Optional[torch.Tensor] = None,
+               sees: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
+               block_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Append q pairs per row to the cache (causal among themselves, after each row's valid
         slots; input_valid [B, q] False for right padding, whose slots stay invalid):
         features [B, q, H], input_ids [B, q] (previous_ids [B, q] too for a previous_token
-        draft) -> predicted features [B, q, H] (what `forward` computes, through the compact layer)."""
+        draft) -> predicted features [B, q, H] (what `forward` computes, through the compact layer).
+        A tree's nodes (specdec.eagle_tree) narrow that: sees [B, q, slots] the cache's slots
+        each input may attend to (besides their validity), positions [B, q] their positions,
+        block_mask [B, q, q] which of the new inputs each attends to (None: causal)."""
         w = self.drafting()
         batch, q = input_ids.shape
-        mask, positions = attention_inputs(cache, (batch, q), None, None, input_valid, self.dtype, self.device)
+        mask, default_positions = attention_inputs(cache, (batch, q), block_mask, None, input_valid, self.dtype,
+                                                   self.device)
+        if sees is not None:
+            mask[:, 0, :, : cache.num_slots].masked_fill_(~sees.to(self.device), torch.finfo(self.dtype).min)
+        positions = default_positions if positions is None else positions.to(self.device)
         mask = mask.repeat(1, 1, self.shape.num_heads // self.shape.kv_heads, 1)  # query heads folded per K/V head
         cos, sin = w.rope(positions)
         x = torch.cat([features.to(self.device, self.dtype), *self.token_inputs(input_ids, previous_ids)], dim=-1)

@@ -1,8 +1,11 @@
 """EAGLE proposer: a one-layer draft over the target's features drafts a chain of k tokens
 (greedy, or sampled from each row's generator in ctx.generators with its draft_probs), see
 specdec.eagle for the draft itself. Greedy, on a target that verifies trees at about the cost of
-the chain (tree_width: a GPU), each depth's next-best tokens join the chain as siblings (leaves),
-so a depth the chain gets wrong can still be accepted from its second or third choice.
+the chain (tree_nodes: a GPU), it drafts a dynamic tree instead (EAGLE-2, specdec.eagle_tree):
+the draft's likeliest paths up to depth k, as many nodes as verifying costs at most
+TREE_COST_MARGIN times the chain, the greedy chain always among them. Measured on the dev
+prompts (`python -m specdec.training.eagle_eval --per-category 1 --tree 4,64,8`, the shipped
+draft): tau 1.43 for a 4-token chain, 1.80 for a 16-node tree, 2.00 for 32, 2.08 for 64.
 
 State per row (a `DraftRows`, so rows leave as they finish, as the draft model's do): the
 draft's KV cache of (feature, token) pairs and the committed tokens its *true* pairs stand for
@@ -49,6 +52,7 @@ import torch
 
 from specdec.costmodel import VerifyCost, machine_identity, verify_cost_at, worth_including
 from specdec.eagle import EagleDraft, load_eagle, shipped_eagle_path, step_cost
+from specdec.eagle_tree import draft_trees
 from specdec.errors import FailedPrecondition, ModelLoadError
 from specdec.proposers.base import Proposer, ProposerEnv, ProposerFactory, register
 from specdec.proposers.draft_model import DraftRows, draft_chain
@@ -72,37 +76,25 @@ def feature_start(row_tokens: Sequence[int], committed: Sequence[int], n_feature
     return start
 
 
-# Siblings join the chain only where a verification forward over the whole tree (k * width + 1
+# A tree replaces the chain only where a verification forward over the whole tree (nodes + 1
 # tokens) costs at most this much more than over the chain (k + 1): a GPU, where a forward over
 # 8-64 tokens costs about one; not a CPU, where it costs ~k single steps.
 TREE_COST_MARGIN = 1.1
-MAX_WIDTH = 3
+MAX_TREE_NODES = 64  # EAGLE-2's default tree is 60 nodes (for 7B-70B targets on A100s)
+TREE_TOPK = 8  # candidates per expanded node, and nodes expanded per depth (EAGLE-2: 10)
 
 
-def tree_width(v: Optional[VerifyCost], k: int, runs_trees: bool, max_width: int = MAX_WIDTH) -> int:
-    """Candidates per drafted depth (the top-1 the chain goes on from, and width - 1 siblings):
-    the widest whose tree costs at most TREE_COST_MARGIN times the chain to verify; 1 (a chain)
-    where the target runs chains only (llama.cpp) or its verify cost is unknown."""
+def tree_nodes(v: Optional[VerifyCost], k: int, runs_trees: bool, reserve: int = 0,
+               max_nodes: int = MAX_TREE_NODES) -> int:
+    """The nodes of a k-deep tree: the most (up to max_nodes) whose verification, with `reserve`
+    more nodes beside them (another proposer's branch), costs at most TREE_COST_MARGIN times
+    the k-token chain's; k (the chain) where the target runs chains only (llama.cpp), its
+    verify cost is unknown, or no tree fits."""
     if not runs_trees or v is None or k < 1:
-        return 1
+        return k
     chain = verify_cost_at(v, k + 1)
-    return max(w for w in range(1, max_width + 1) if w == 1 or verify_cost_at(v, k * w + 1) <= TREE_COST_MARGIN * chain)
-
-
-def side_branches(chain: Sequence[int], siblings: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The chain [k] and, per depth d, the alternatives to chain[d] -> (token ids, parents) of the
-    tree, depth by depth: the chain token, then its siblings, all children of the chain token
-    one depth up (-1: the root). Siblings are leaves: the draft only goes on from the chain."""
-    ids: list[int] = []
-    parents: list[int] = []
-    up = -1
-    for tok, alternatives in zip(chain, siblings):
-        here = len(ids)
-        for t in (tok, *alternatives):
-            ids.append(int(t))
-            parents.append(up)
-        up = here
-    return tuple(ids), tuple(parents)
+    fits = [n for n in range(k + 1, max_nodes + 1) if verify_cost_at(v, n + reserve + 1) <= TREE_COST_MARGIN * chain]
+    return max(fits, default=k)
 
 
 def pad_pairs(features: Sequence[torch.Tensor], tokens: Sequence[Sequence[int]]
@@ -199,7 +191,7 @@ class EagleProposer(Proposer):
                  runs_trees: bool = False, depth: Optional[DepthChoice] = None):
         """rows: the state to draft on; None: the proposer's own, following each context's rows.
         verify_cost, runs_trees: the target's measured v(k) and whether it verifies trees; where
-        a tree costs about what the chain does (tree_width), greedy steps add siblings.
+        a tree costs about what the chain does (tree_nodes), greedy steps draft a tree.
         depth: how deep each chain goes by the draft's confidence; None: k tokens."""
         self.draft = draft
         self.rows = rows if rows is not None else DraftRows.empty(draft, ())
@@ -227,9 +219,14 @@ class EagleProposer(Proposer):
         last = valid.sum(1) - 1  # [rows]
         return predicted[torch.arange(len(starts)), last.to(predicted.device)]
 
-    def tree_widths(self, ctx: ProposeContext) -> list[int]:
-        """Per row, the candidates per depth its step drafts (tree_width; 1: a chain, always when sampling)."""
-        return [tree_width(self.verify_cost, k, self.runs_trees) if ctx.sampling.greedy else 1 for k in ctx.k]
+    def tree_budgets(self, ctx: ProposeContext) -> list[int]:
+        """Per row, the nodes its step drafts (tree_nodes; k: a chain, always when sampling)."""
+        return [tree_nodes(self.verify_cost, k, self.runs_trees, self.reserve_nodes(k)) if ctx.sampling.greedy else k
+                for k in ctx.k]
+
+    def reserve_nodes(self, k: int) -> int:
+        """Nodes a k-deep tree leaves for branches added after drafting (none here)."""
+        return 0
 
     @torch.inference_mode()
     def propose(self, ctx: ProposeContext) -> list[Proposal]:
@@ -250,10 +247,13 @@ class EagleProposer(Proposer):
             before_tok[0] = tok
             return self.draft.logits(predicted[0])
 
-        widths = self.tree_widths(ctx)
-        if max(widths) > 1:
+        budgets = self.tree_budgets(ctx)
+        if any(n > k for n, k in zip(budgets, ctx.k)):
             self._confidences = []
-            return self._tree(self.draft.logits(feature), feed, ctx.k, widths)
+            last = torch.tensor([toks[-1] for toks in ctx.token_ids])
+            trees = draft_trees(self.draft, self.rows.cache, feature, last, ctx.k, budgets, TREE_TOPK)
+            return [Proposal(token_ids=t.token_ids, parents=t.parents if n > k else None)
+                    for t, n, k in zip(trees, budgets, ctx.k)]
         # Depth d's confidence: the draft's probability of the chain's tokens before d times its
         # top probability at d, known before d's token is chosen (so judging d by it reads nothing of d).
         before = torch.ones(len(ctx.k))  # [rows]
@@ -286,23 +286,6 @@ class EagleProposer(Proposer):
             for conf, v in zip(self._confidences, verdicts):
                 self.depth.reach.record(conf, v.num_accepted)
         self._confidences = []  # (a step the loop runs without asking for a proposal has none)
-
-    @staticmethod
-    def _tree(logits: torch.Tensor, feed, ks: Sequence[int], widths: Sequence[int]) -> list[Proposal]:
-        """Greedy: the argmax chain, each depth's next-best tokens beside it (side_branches)."""
-        chain, alternatives, depth_max, width_max = [], [], max(ks), max(widths)
-        for depth in range(depth_max):
-            top = logits.topk(width_max, dim=-1).indices.cpu()  # [rows, width], best first
-            chain.append(top[:, 0])
-            alternatives.append(top[:, 1:])
-            if depth + 1 < depth_max:
-                logits = feed(top[:, 0].to(logits.device))
-        out = []
-        for b, (k, w) in enumerate(zip(ks, widths)):
-            ids, parents = side_branches([int(chain[d][b]) for d in range(k)],
-                                         [alternatives[d][b, : w - 1].tolist() for d in range(k)])
-            out.append(Proposal(token_ids=ids, parents=parents if w > 1 else None))
-        return out
 
 
 def eagle_for_target(target, eagle_dir: Optional[str]) -> EagleDraft:

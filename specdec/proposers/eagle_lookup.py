@@ -18,9 +18,10 @@ over the new positions and one token), and the target's features of that step ar
 next one.
 
 Where the target verifies a tree at about a chain's cost (a GPU: EAGLE then drafts a tree, see
-tree_width), lookup's chain is not weighed against EAGLE's but grafted onto its tree as one more
-branch (`tree.graft_chain`), within the same cost margin as EAGLE's siblings: the target checks
-both in one forward and keeps whichever path it agrees with.
+tree_nodes), lookup's chain is not weighed against EAGLE's but grafted onto its tree as one more
+branch (`tree.graft_chain`): EAGLE's tree leaves k nodes of its budget for it (reserve_nodes),
+so the tree with the branch stays within the cost margin, and the target checks both in one
+forward and keeps whichever path it agrees with.
 
 Sampling rows send EAGLE's chain alone: choosing between the two by figures of a sampled chain
 would bias what it samples. Without a verify cost to weigh them by (no cost store, or
@@ -202,15 +203,19 @@ class EagleLookupProposer(EagleProposer):
         """Whether every row's lookup chain promises more than EAGLE's chain at its last step did
         (chains, not trees): then EAGLE's step, whose chain would most likely not be
         sent, is skipped, and the target's features of this step wait for its next one."""
-        if ctx.target_features is None or max(self.tree_widths(ctx), default=1) > 1:
+        if ctx.target_features is None or any(n > k for n, k in zip(self.tree_budgets(ctx), ctx.k)):
             return False
         return all(keep and row.eagle_rate is not None and rate > row.eagle_rate
                    for row, (keep, rate) in zip(rows, blocks))
 
+    def reserve_nodes(self, k: int) -> int:
+        """EAGLE's tree leaves room for lookup's chain (at most k tokens)."""
+        return k
+
     def _with_branch(self, tree: Proposal, cont: tuple[int, ...], k: int) -> Proposal:
         """EAGLE's tree with lookup's chain grafted on as one more branch from the root, where the
         grafted tree costs at most TREE_COST_MARGIN times a k-token chain to verify (the rule
-        EAGLE's siblings follow): the target then checks both in its one forward."""
+        EAGLE's tree follows): the target then checks both in its one forward."""
         if not cont:
             return tree
         ids, parents = graft_chain(tree.token_ids, tree.parents, cont)

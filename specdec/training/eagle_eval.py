@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -25,6 +26,7 @@ import torch
 from specdec.decode import plain_generate
 from specdec.backends.hf import CausalLM
 from specdec.eagle import EagleDraft
+from specdec.eagle_tree import DraftTree, draft_trees
 from specdec.training.eagle import CachedSequence, make_batch, unrolled_outputs
 from specdec.types import StopConditions
 
@@ -69,32 +71,108 @@ def chain_figures(draft: EagleDraft, seq: CachedSequence, k: int) -> tuple[list[
     return accepted_lengths(hits, batch.judged[0])
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """A dynamic tree's shape (specdec.eagle_tree): depth, nodes sent, candidates per expansion."""
+
+    depth: int
+    nodes: int
+    topk: int
+
+    @classmethod
+    def parse(cls, text: str) -> "TreeShape":
+        try:
+            depth, nodes, topk = (int(x) for x in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--tree wants DEPTH,NODES,TOPK (e.g. 4,32,8), not {text!r}") from None
+        if not (depth >= 1 and nodes >= depth and topk >= 1):
+            raise argparse.ArgumentTypeError(f"--tree {text}: need depth >= 1, nodes >= depth, topk >= 1")
+        return cls(depth, nodes, topk)
+
+    def __str__(self) -> str:
+        return f"depth {self.depth}, {self.nodes} nodes, top-{self.topk}"
+
+
+def tree_accepted(tree: DraftTree, following: Sequence[int]) -> int:
+    """How many of the tree's tokens greedy verification accepts where the target's next tokens
+    are `following`: the longest path from the root whose tokens are theirs."""
+    accepted, at = 0, -1
+    for want in following:
+        nxt = [i for i, (t, p) in enumerate(zip(tree.token_ids, tree.parents)) if p == at and t == want]
+        if not nxt:
+            break
+        accepted, at = accepted + 1, nxt[0]
+    return accepted
+
+
+@torch.inference_mode()
+def tree_figures(draft: EagleDraft, seq: CachedSequence, shape: TreeShape, rows: int = 32) -> tuple[int, int]:
+    """(tokens accepted, trees counted): a dynamic tree drafted, as decoding drafts it, after every
+    answer position of seq that chain_figures counts (committed t_0..t_{L-1}, L from the answer's
+    second token on), judged against the answer's next tokens. Each tree costs one target
+    forward, so 1 + accepted / trees is the tree's tau."""
+    ids = [seq.first, *seq.tokens.tolist()]
+    pairs = len(ids) - 1  # (f_j, t_{j+1}) for j = 0..len - 2
+    whole = draft.new_cache(1)
+    out = draft.extend(whole, seq.features[None].to(draft.dtype), torch.tensor([ids[1:]]),
+                       previous_ids=torch.tensor([ids[:-1]]))[0]  # [pairs, H]: out[j] = f^_{j+1}
+    starts = list(range(seq.eval_from + 2, len(ids)))
+    accepted = 0
+    for at in range(0, len(starts), rows):
+        part = starts[at: at + rows]
+        cache = draft.new_cache(len(part))
+        cache.load_layer_kv([k.expand(len(part), -1, -1, -1).contiguous() for k, _ in whole.layer_kv()],
+                            [v.expand(len(part), -1, -1, -1).contiguous() for _, v in whole.layer_kv()],
+                            torch.arange(pairs)[None, :] < torch.tensor([L - 1 for L in part])[:, None])
+        trees = draft_trees(draft, cache, out[[L - 2 for L in part]], torch.tensor([ids[L - 1] for L in part]),
+                            [shape.depth] * len(part), [shape.nodes] * len(part), shape.topk)
+        accepted += sum(tree_accepted(t, ids[L: L + shape.depth]) for t, L in zip(trees, part))
+    return accepted, len(starts)
+
+
 def compare(target: CausalLM, drafts: dict[str, EagleDraft], prompts: Sequence[tuple[str, list[int]]],
-            max_new_tokens: int, k: int = 3) -> dict:
+            max_new_tokens: int, k: int = 3, tree: Optional[TreeShape] = None) -> dict:
     """-> {draft name: {category: {"alpha": depth-1 agreement, "accepted": mean tokens of a
-    k-chain accepted, "chains": n}}}, categories plus "all"."""
+    k-chain accepted, "chains": n[, "tree_tau": 1 + mean tokens of a dynamic tree accepted]}}},
+    categories plus "all"."""
     stop = StopConditions(max_new_tokens=max_new_tokens, eos_token_ids=target.eos_token_ids)
-    sums = {name: defaultdict(lambda: [[0] * k, 0]) for name in drafts}
+    sums = {name: defaultdict(lambda: [[0] * k, 0, 0, 0]) for name in drafts}
     for cat, ids in prompts:
         answer = list(plain_generate(target, [ids], stop=stop)[0].token_ids)
         seq = answer_sequence(target, ids, answer)
         for name, draft in drafts.items():
             right, n = chain_figures(draft, seq, k)
+            in_trees, trees = tree_figures(draft, seq, tree) if tree is not None else (0, 0)
             for key in (cat, "all"):
                 acc = sums[name][key]
                 acc[0] = [a + b for a, b in zip(acc[0], right)]
                 acc[1] += n
-    return {name: {cat: {"alpha": round(r[0] / max(n, 1), 3), "accepted": round(sum(r) / max(n, 1), 3),
-                         "chains": n} for cat, (r, n) in sorted(per.items())} for name, per in sums.items()}
+                acc[2] += in_trees
+                acc[3] += trees
+    table = {}
+    for name, per in sums.items():
+        table[name] = {}
+        for cat, (r, n, in_trees, trees) in sorted(per.items()):
+            row = {"alpha": round(r[0] / max(n, 1), 3), "accepted": round(sum(r) / max(n, 1), 3), "chains": n}
+            if tree is not None:
+                row["tree_tau"] = round(1 + in_trees / max(trees, 1), 3)
+            table[name][cat] = row
+    return table
 
 
-def format_table(table: dict, k: int) -> str:
+def format_table(table: dict, k: int, tree: Optional[TreeShape] = None) -> str:
     cats = sorted({c for per in table.values() for c in per}, key=lambda c: (c == "all", c))
-    lines = [f"alpha at k = 1 / tokens of a {k}-token chain accepted", "",
-             "| draft | " + " | ".join(cats) + " |", "|---|" + "---:|" * len(cats)]
+    what = f"alpha at k = 1 / tokens of a {k}-token chain accepted"
+    if tree is not None:
+        what += f" / tau of a dynamic tree ({tree})"
+    lines = [what, "", "| draft | " + " | ".join(cats) + " |", "|---|" + "---:|" * len(cats)]
+
+    def cell(row: dict) -> str:
+        text = f"{row['alpha']:.2f} / {row['accepted']:.2f}"
+        return text + (f" / {row['tree_tau']:.2f}" if "tree_tau" in row else "")
+
     for name, per in table.items():
-        lines.append(f"| {name} | " + " | ".join(f"{per[c]['alpha']:.2f} / {per[c]['accepted']:.2f}" if c in per
-                                               else "-" for c in cats) + " |")
+        lines.append(f"| {name} | " + " | ".join(cell(per[c]) if c in per else "-" for c in cats) + " |")
     return "\n".join(lines)
 
 
@@ -113,6 +191,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--backend", default="fast")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("-k", type=int, default=3, help="chain length (default 3)")
+    ap.add_argument("--tree", type=TreeShape.parse, default=None, metavar="DEPTH,NODES,TOPK",
+                    help="also the tau of a dynamic tree of this shape (what a target that verifies it at a "
+                         "chain's cost, a GPU, gains per forward), e.g. 4,32,8")
     ap.add_argument("--json", default=None, help="also write the table as JSON here")
     args = ap.parse_args(argv)
     target = load_model(args.target, backend=args.backend)
@@ -123,8 +204,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if len(picked[r["category"]]) < args.per_category:
             picked[r["category"]].append(r)
     prompts = [(cat, format_prompt(target.tokenizer, r["turns"][0])) for cat, rs in picked.items() for r in rs]
-    table = compare(target.lm, drafts, prompts, args.max_new_tokens, args.k)
-    print(format_table(table, args.k))
+    table = compare(target.lm, drafts, prompts, args.max_new_tokens, args.k, args.tree)
+    print(format_table(table, args.k, args.tree))
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))
     return 0

@@ -79,8 +79,8 @@ def test_incremental_text_equals_the_real_tokenizers_whole_decoding(real, plain)
 
 @pytest.mark.parametrize("way", ["chain", "tree", "by-confidence-with-lookup"])
 def test_shipped_eagle_draft_is_lossless_on_the_real_target(real, prompts, plain, way):
-    """The EAGLE draft shipped for the embedded target, as a chain, as a tree (siblings at each
-    depth, as on a GPU's flat verify cost), and as eagle-lookup with its depth chosen by confidence
+    """The EAGLE draft shipped for the embedded target, as a chain, as a dynamic tree (64 nodes,
+    as on a GPU's flat verify cost), and as eagle-lookup with its depth chosen by confidence
     on a CPU-like verify cost, reproduces plain decoding token for token."""
     from specdec.eagle import load_eagle, shipped_eagle_path
     from specdec.models import DEFAULT_TARGET

@@ -487,22 +487,86 @@ def test_batch_labels_are_the_targets_next_top1_in_the_subset_beside_the_previou
 
 # --- trees where verification is about as cheap as the chain's ---------------------------------
 
-def test_tree_width_adds_siblings_only_where_the_tree_costs_about_the_chain():
-    from specdec.proposers.eagle import MAX_WIDTH, tree_width
+def test_a_tree_replaces_the_chain_only_where_it_costs_about_the_chain_to_verify():
+    from specdec.proposers.eagle import MAX_TREE_NODES, tree_nodes
 
-    assert tree_width(GPU_LIKE_COST, 4, runs_trees=True) == MAX_WIDTH
-    assert tree_width(LLAMACPP_CPU_COST, 4, runs_trees=True) == 1
-    assert tree_width(GPU_LIKE_COST, 4, runs_trees=False) == 1  # llama.cpp verifies chains only
-    assert tree_width(None, 4, runs_trees=True) == 1  # cost unknown: the chain
-    assert tree_width(GPU_LIKE_COST, 0, runs_trees=True) == 1
+    assert tree_nodes(GPU_LIKE_COST, 4, runs_trees=True) == MAX_TREE_NODES
+    assert tree_nodes(LLAMACPP_CPU_COST, 4, runs_trees=True) == 4  # the chain
+    assert tree_nodes(GPU_LIKE_COST, 4, runs_trees=False) == 4  # llama.cpp verifies chains only
+    assert tree_nodes(None, 4, runs_trees=True) == 4  # cost unknown: the chain
+    assert tree_nodes(GPU_LIKE_COST, 0, runs_trees=True) == 0
+    # v(5) = 1.0125, so the tree may cost 1.114: v(23) = 1.106 fits, v(24) = 1.116 does not
+    rising = {1: 1.0, 17: 1.05, 33: 1.2}
+    assert tree_nodes(rising, 4, runs_trees=True) == 22
+    assert tree_nodes(rising, 4, runs_trees=True, reserve=4) == 18  # room left for a 4-token branch
 
 
-def test_side_branches_hang_each_depth_s_alternatives_beside_the_chain_token():
-    from specdec.proposers.eagle import side_branches
+def test_a_tree_keeps_the_chain_then_the_best_scored_nodes_whose_parents_it_holds():
+    from specdec.eagle_tree import choose_nodes
 
-    ids, parents = side_branches([10, 11, 12], [[20, 30], [21], []])
-    assert ids == (10, 20, 30, 11, 21, 12)
-    assert parents == (-1, -1, -1, 0, 0, 3)  # depth 1 hangs under the chain's 10, depth 2 under its 11
+    #          0     1     2     3     4     5     6
+    scores = [-0.1, -1.0, -2.0, -0.3, -0.5, -1.2, -0.6]
+    parents = [-1, -1, -1, 0, 0, 1, 3]
+    depths = [1, 1, 1, 2, 2, 2, 3]
+    chain = [0, 4, 6]  # the greedy chain need not be the best-scored path (4 scores below 3)
+    assert choose_nodes(scores, parents, depths, chain, nodes=3, depth=3) == [0, 4, 6]
+    assert choose_nodes(scores, parents, depths, chain, nodes=5, depth=3) == [0, 1, 3, 4, 6]
+    assert choose_nodes(scores, parents, depths, chain, nodes=5, depth=2) == [0, 1, 3, 4, 5]  # 6 too deep: 5 instead
+    # node 6's parent 3 outranks it, so a tree holding 6 holds 3 (ties: the shallower first)
+    assert choose_nodes([-1.0, -1.0, -1.0], [-1, 0, 1], [1, 2, 3], [0], nodes=3, depth=3) == [0, 1, 2]
+
+
+def _path_top(draft, committed_cache, root, last, path, topk):
+    """The draft's top-k after the path's tokens, drafted as a chain on a copy of the cache."""
+    cache = copy.deepcopy(committed_cache)
+    feature, before = root, last
+    for tok in path:
+        feature = draft.extend(cache, feature[None, None], torch.tensor([[tok]]), previous_ids=torch.tensor([[before]]))[0, 0]
+        before = tok
+    return draft.top_tokens(feature, topk)[0].tolist()
+
+
+@pytest.mark.parametrize("prev", [False, True])
+def test_a_dynamic_tree_holds_the_chain_and_each_node_is_among_its_path_s_top_candidates(
+        tiny_target, trained_dir, trained_prev_dir, prev):
+    """Every node of a drafted tree is what drafting its path as a chain would rank among the
+    top-k (the tree's attention mask and positions give each node its own path's context), the
+    greedy chain is in it, it has as many nodes as asked, and the cache is left as it was."""
+    from specdec.eagle_tree import draft_trees
+
+    draft = load_eagle(trained_prev_dir if prev else trained_dir, tiny_target, target_name=tiny_target.name).float()
+    gen = torch.Generator().manual_seed(0)
+    hidden = draft.head.shape[1]
+    rows = [[5, 17, 33, 2, 40, 8], [9, 9, 60, 12]]
+    cache = draft.new_cache(2)
+    n = max(len(r) for r in rows) - 1
+    feats = torch.randn(2, n, hidden, generator=gen)
+    ids = torch.zeros(2, n, dtype=torch.long)
+    prevs = torch.zeros(2, n, dtype=torch.long)
+    valid = torch.zeros(2, n, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        ids[b, : len(r) - 1], prevs[b, : len(r) - 1], valid[b, : len(r) - 1] = torch.tensor(r[1:]), torch.tensor(r[:-1]), True
+    out = draft.extend(cache, feats, ids, valid, previous_ids=prevs)
+    roots = torch.stack([out[b, len(r) - 2] for b, r in enumerate(rows)])
+    last = torch.tensor([r[-1] for r in rows])
+    before = (cache.valid.clone(), cache.num_slots)
+    per_row = [copy.deepcopy(cache) for _ in rows]
+    for b in range(2):
+        per_row[b].select_rows(torch.tensor([b]))
+    trees = draft_trees(draft, cache, roots, last, depths=[4, 3], nodes=[12, 7], topk=3)
+    assert torch.equal(cache.valid, before[0]) and cache.num_slots == before[1]
+    for b, (tree, depth, nodes) in enumerate(zip(trees, [4, 3], [12, 7])):
+        assert len(tree.token_ids) == nodes and max(tree.depths) <= depth
+        paths = []
+        for i, p in enumerate(tree.parents):
+            assert p < i and tree.depths[i] == (1 if p == -1 else tree.depths[p] + 1)
+            paths.append(([] if p == -1 else paths[p]) + [tree.token_ids[i]])
+            top = _path_top(draft, per_row[b], roots[b], int(last[b]), paths[i][:-1], 3)
+            assert tree.token_ids[i] in top
+        chain = []
+        for _ in range(depth):
+            chain.append(_path_top(draft, per_row[b], roots[b], int(last[b]), chain, 1)[0])
+        assert chain in paths
 
 
 @pytest.mark.parametrize("backend", ["hf", "fast"])

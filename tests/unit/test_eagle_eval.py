@@ -1,6 +1,7 @@
 """Comparing EAGLE drafts on prompts (specdec.training.eagle_eval): chains counted by hand, and a
 trained draft scores above an untrained one on what it was trained on."""
 
+import pytest
 import torch
 
 from specdec.decode import plain_generate
@@ -32,3 +33,37 @@ def test_a_trained_draft_scores_above_an_untrained_one(tiny_target, trained_dir)
     assert trained["alpha"] > untrained["alpha"] + 0.1 and trained["accepted"] > untrained["accepted"]
     assert trained["accepted"] >= trained["alpha"]  # a chain accepts its first token at least
     assert set(table["trained"]) == {"synthetic", "all"}
+
+
+def test_a_tree_accepts_its_longest_path_the_target_agrees_with():
+    from specdec.eagle_tree import DraftTree
+    from specdec.training.eagle_eval import tree_accepted
+
+    #         0   1   2   3   4   5
+    tree = DraftTree(token_ids=(7, 8, 3, 9, 4, 5), parents=(-1, -1, 0, 1, 1, 4), depths=(1, 1, 2, 2, 2, 3))
+    assert tree_accepted(tree, [8, 4, 5, 6]) == 3  # 8 -> 4 -> 5, not the first branch
+    assert tree_accepted(tree, [7, 9]) == 1  # 9 hangs under 8, not 7
+    assert tree_accepted(tree, [1]) == 0 and tree_accepted(tree, []) == 0
+
+
+def test_a_chain_shaped_tree_accepts_what_the_chain_does_and_a_wider_tree_more(tiny_target, trained_dir):  # noqa: F811
+    """tau of a k-node, k-deep tree is 1 + the k-chain's mean accepted tokens (the same positions
+    judged; drafting's float16 weights against the chain figures' float32: equal up to rounding),
+    and a wider tree of the same depth accepts at least as much."""
+    from specdec.training.eagle_eval import TreeShape
+
+    prompts = [("synthetic", r["prompt_ids"]) for r in _answers(tiny_target, 4, seed=1)]
+    drafts = {"trained": load_eagle(trained_dir, tiny_target)}
+    chain = compare(tiny_target, drafts, prompts, max_new_tokens=16, k=3, tree=TreeShape(3, 3, 1))["trained"]["all"]
+    wide = compare(tiny_target, drafts, prompts, max_new_tokens=16, k=3, tree=TreeShape(3, 12, 4))["trained"]["all"]
+    assert chain["tree_tau"] == pytest.approx(1 + chain["accepted"], abs=0.03)
+    assert wide["tree_tau"] > chain["tree_tau"]
+
+
+@pytest.mark.parametrize("bad", ["4,32", "4,2,8", "0,4,1", "a,b,c"])
+def test_a_tree_shape_it_cannot_draft_is_refused_with_what_it_wants(bad, capsys):
+    from specdec.training.eagle_eval import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--tree", bad])
+    assert exc.value.code == 2 and "--tree" in capsys.readouterr().err
