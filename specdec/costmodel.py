@@ -355,6 +355,11 @@ def machine_identity(device: torch.device) -> dict:
     return ident
 
 
+# A device where a forward over up to 64 tokens costs one one-token forward (a GPU at batch 1,
+# roughly; `bench/gpu.sh` measures the real curve): `specdec bench --verify-cost flat`.
+FLAT_VERIFY_COST: dict[int, float] = {1: 1.0, 64: 1.0}
+
+
 class CostStore:
     """The cost figures that automatic choices need (v(k) for k auto and the Medusa tree, the
     draft cost c), measured once per machine, model, backend and thread count, then reused.
@@ -521,3 +526,18 @@ def format_curve(curve: Mapping[int, float], base_ms: Optional[float] = None) ->
     if base_ms is not None:
         lines.append(f"(1-token forward: {base_ms:.1f} ms)")
     return "\n".join(lines)
+
+
+class AssumedVerifyCost(CostStore):
+    """A cost store whose verify cost is a given curve instead of this machine's: every automatic
+    choice (k auto, EAGLE's depth and tree, the Medusa tree, eagle-lookup's choice) is made as
+    on a device with that curve, so tau and alpha are what that device's run would show (the
+    tokens/s are still this machine's). Other figures are measured here, and kept in memory
+    only, so nothing learned under the assumption reaches the user's store."""
+
+    def __init__(self, curve: dict[int, float], **kwargs):
+        super().__init__(None, **kwargs)
+        self.curve = dict(curve)
+
+    def verify_cost(self, lm) -> dict[int, float]:
+        return dict(self.curve)

@@ -65,6 +65,10 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                         "(the target's first N layers, untrained)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--verify-cost", default="measured", choices=("measured", "flat"),
+                   help="specdec's methods choose chains, trees and k by this machine's measured verify cost "
+                        "(default), or as where a forward over up to 64 tokens costs one (flat: a GPU at batch 1; "
+                        "tau and alpha are then that device's, tokens/s still this machine's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt sample")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="start no new prompt after S seconds; the table covers the prompts done")
@@ -94,7 +98,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         per_category=0 if args.all else args.per_category, categories=_csv(args.categories),
         max_new_tokens=args.max_new_tokens, k=_k_arg(args.k), methods=_csv(args.methods), backends=backends,
         out=Path(args.out), seed=args.seed, threads=args.threads, device=args.device,
-        time_budget_s=args.time_budget,
+        time_budget_s=args.time_budget, verify_cost=args.verify_cost,
     )
     command = "specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] \
         else "specdec bench"

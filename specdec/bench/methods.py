@@ -71,8 +71,13 @@ class BenchConfig:
     device: str = "cpu"
     warmup_tokens: int = 8  # each method decodes this many tokens once before timing (0: no warm-up)
     time_budget_s: Optional[float] = None  # start no new prompt after this many seconds (results stay whole)
+    # "measured": specdec's methods choose by this machine's verify cost; "flat": as on a device
+    # where a forward over up to 64 tokens costs one (costmodel.FLAT_VERIFY_COST: a GPU at batch 1)
+    verify_cost: str = "measured"
 
     def __post_init__(self) -> None:
+        if self.verify_cost not in VERIFY_COSTS:
+            raise InvalidRequest(f"verify_cost must be one of {', '.join(VERIFY_COSTS)}, not {self.verify_cost!r}")
         if self.per_category < 0:
             raise InvalidRequest("per_category must be >= 0 (0 = all prompts)")
         if self.max_new_tokens < 1 or (self.k != "auto" and (not isinstance(self.k, int) or self.k < 1)):
@@ -336,8 +341,19 @@ def build_context(config: BenchConfig, target: Optional[LoadedModel] = None,
         ctx.engines[backend] = Engine.from_models(_on_backend(target, backend),
                                                   None if draft is None else _on_backend(draft, backend),
                                                   EngineConfig(target=config.target, prefix_cache_mb=0, history_tokens=0,
-                                                               eagle_dir=config.eagle, eagle_depth=config.eagle_depth))
+                                                               eagle_dir=config.eagle, eagle_depth=config.eagle_depth),
+                                                  costs=_assumed_costs(config))
     return ctx
+
+
+VERIFY_COSTS = ("measured", "flat")
+
+
+def _assumed_costs(config: BenchConfig):
+    """None (the engine's store of this machine's costs), or the store of `--verify-cost flat`."""
+    from specdec.costmodel import FLAT_VERIFY_COST, AssumedVerifyCost
+
+    return AssumedVerifyCost(FLAT_VERIFY_COST) if config.verify_cost == "flat" else None
 
 
 def _resolve_auto(config: BenchConfig, target: LoadedModel, backend: str) -> str:
@@ -370,7 +386,8 @@ def _llamacpp_engine(config: BenchConfig, draft: Optional[LoadedModel]):
                              path=draft.path)
     return Engine.from_models(target, on_cpp,
                               EngineConfig(target=config.target, backend="llamacpp", prefix_cache_mb=0, history_tokens=0,
-                                           eagle_dir=config.eagle, eagle_depth=config.eagle_depth))
+                                           eagle_dir=config.eagle, eagle_depth=config.eagle_depth),
+                              costs=_assumed_costs(config))
 
 
 def _on_backend(loaded: LoadedModel, backend: str) -> LoadedModel:
@@ -598,6 +615,11 @@ def markdown_report(rows: Sequence[Row], missing: dict[str, str], meta: dict) ->
         "`x plain at v=1`: the speedup predicted where verifying a few tokens costs one plain step "
         "(a GPU at batch 1), tau / (1 + c), taking c as measured here.",
         "",
+        *([] if meta.get("verify_cost", "measured") == "measured" else [
+            "**Verify cost assumed flat** (`--verify-cost flat`): specdec's methods chose their chains, "
+            "trees and k as on a device where a forward over up to 64 tokens costs one (a GPU at batch 1), "
+            "so tau, alpha and `x plain at v=1` are what that device would show; tokens/s and the speedups "
+            "measured here are this CPU's running those choices, not what it would choose.", ""]),
         "## Overall",
         "",
         "| method | tok/s | x HF generate | x specdec plain | x HF in CPU time | tau | alpha | c | x plain at v=1 "
@@ -702,7 +724,7 @@ def run_bench(config: BenchConfig, command: str = "specdec bench", target: Optio
         "draft": ctx.draft.path if ctx.draft is not None else "none", "backends": list(ctx.engines),
         "prompts": len(done), "per_category": config.per_category or "all",
         "max_new_tokens": config.max_new_tokens, "k": config.k, "load_before": load_before,
-        "load_after": _loadavg(),
+        "load_after": _loadavg(), "verify_cost": config.verify_cost,
     }
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)

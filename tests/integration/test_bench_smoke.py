@@ -1,6 +1,7 @@
 """The benchmark end to end on a tiny model and 2 prompts, so it cannot rot."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -159,3 +160,28 @@ def test_predicted_speedup_at_v1_from_tau_and_drafting_cost():
     assert draft_cost(plain, plain) == 0.0
     assert draft_cost([RunRecord("m", "p", "c", (1,), 0.1, 1, 1, 1)], plain) is None  # no drafting time
     assert predicted_speedup_v1(None, 0.1) is None
+
+
+def test_bench_with_a_flat_verify_cost_chooses_as_on_a_gpu_and_says_so(tmp_path):
+    """--verify-cost flat: every engine's methods see a flat v(k) (so trees and long chains are
+    chosen as on a GPU), nothing measured under that assumption is kept for later runs, and the
+    report says the choices were not this machine's; an unknown setting is refused."""
+    from specdec.bench.methods import build_context
+    from specdec.costmodel import FLAT_VERIFY_COST, AssumedVerifyCost
+
+    target = LoadedModel(tiny_llama(seed=0, vocab_size=96, num_layers=2, hidden_size=48), None, "tiny")
+    config = BenchConfig(max_new_tokens=8, k=3, out=tmp_path, backends=("hf", "fast"), warmup_tokens=0,
+                         methods=("hf-generate", "plain", "prompt-lookup"), verify_cost="flat")
+    ctx = build_context(config, target, None)
+    for engine in ctx.engines.values():
+        assert isinstance(engine.costs, AssumedVerifyCost) and engine.costs.directory is None
+        assert engine.costs.verify_cost(engine.target.lm) == FLAT_VERIFY_COST
+    measured = build_context(replace(config, verify_cost="measured"), target, None)
+    assert not any(isinstance(e.costs, AssumedVerifyCost) for e in measured.engines.values())
+    result = run_bench(config, target=target, prompts=PROMPTS)
+    assert result["meta"]["verify_cost"] == "flat"
+    assert "Verify cost assumed flat" in (tmp_path / "results.md").read_text()
+    overall = {r["method"]: r for r in result["rows"] if r["category"] == "all"}
+    assert overall["prompt-lookup@fast"]["equal_hf"] == len(PROMPTS)
+    with pytest.raises(InvalidRequest, match="verify_cost"):
+        BenchConfig(verify_cost="gpu")
