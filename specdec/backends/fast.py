@@ -127,6 +127,7 @@ class FastKVCache(KVCache):
         store.length = width
         self.valid = valid
 
+    @torch.inference_mode()  # the store may be inference tensors (grown inside a forward): moved in place
     def compact(self) -> None:
         """Squeeze out every hole: each row's valid slots move to the front, in order."""
         store = self.hf

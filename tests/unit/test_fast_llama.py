@@ -95,6 +95,26 @@ def test_cache_grows_past_its_initial_capacity(pair):
     torch.testing.assert_close(fast.forward(cb, nxt).logits, ref.forward(ca, nxt).logits, atol=ATOL, rtol=0)
 
 
+def test_a_cache_grown_inside_a_forward_compacts_outside_one(pair):
+    """Growing the store inside a forward makes its tensors inference tensors; a verify step that
+    leaves more holes than tokens (a wide tree rejected: tidied by keep_last, outside inference
+    mode) then compacts them in place. That crashed once (64-node EAGLE trees on a long prompt)."""
+    ref, fast = pair
+    gen = torch.Generator().manual_seed(1)
+    ca, cb = ref.new_cache(1), fast.new_cache(1)
+    prompt = torch.randint(2, 96, (1, cb.hf.capacity + 5), generator=gen)[0].tolist()
+    block = torch.randint(2, 96, (1, 300), generator=gen)
+    keep = torch.zeros(1, 300, dtype=torch.bool)
+    keep[0, 0] = keep[0, -1] = True  # holes in the middle: not cropped as a tail
+    for lm, c in ((ref, ca), (fast, cb)):
+        lm.prefill(c, [prompt])
+        lm.forward(c, block)
+        c.keep_last(keep)  # outside inference mode, as verify_step calls it
+    assert cb.num_slots == int(cb.lengths[0]) == len(prompt) + 2  # compacted
+    nxt = torch.tensor([[7]])
+    torch.testing.assert_close(fast.forward(cb, nxt).logits, ref.forward(ca, nxt).logits, atol=ATOL, rtol=0)
+
+
 def test_new_cache_is_a_fast_cache_with_the_kv_cache_api(pair):
     cache = pair[1].new_cache(2)
     assert isinstance(cache, FastKVCache)
