@@ -71,6 +71,7 @@ def draft_trees(draft: EagleDraft, cache: FastKVCache, root_features: torch.Tens
     max_depth = max(depths, default=0)
     if max_depth == 0:
         return [DraftTree((), (), ()) for _ in range(batch)]
+    topk = min(topk, len(draft.token_ids))
     committed = cache.lengths.clone()  # [B] pairs before the tree
     first_tree_slot = cache.num_slots
     sees_committed = cache.valid.clone()  # [B, slots]

@@ -4,8 +4,8 @@ specdec.eagle for the draft itself. Greedy, on a target that verifies trees at a
 the chain (tree_nodes: a GPU), it drafts a dynamic tree instead (EAGLE-2, specdec.eagle_tree):
 the draft's likeliest paths up to depth k, as many nodes as verifying costs at most
 TREE_COST_MARGIN times the chain, the greedy chain always among them. Measured on the dev
-prompts (`python -m specdec.training.eagle_eval --per-category 1 --tree 4,64,8`, the shipped
-draft): tau 1.43 for a 4-token chain, 1.80 for a 16-node tree, 2.00 for 32, 2.08 for 64.
+prompts (`python -m specdec.training.eagle_eval --per-category 4 -k 4 --tree 4,64,8`, the shipped
+draft): tau 1.50 for a 4-token chain, 1.92 for a 16-node tree, 2.11 for 32, 2.19 for 64.
 
 State per row (a `DraftRows`, so rows leave as they finish, as the draft model's do): the
 draft's KV cache of (feature, token) pairs and the committed tokens its *true* pairs stand for
