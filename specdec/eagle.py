@@ -36,11 +36,21 @@ stands in for it (specdec.proposers.eagle does this bookkeeping).
 
 The output layer is restricted to a frequent-token subset (FR-Spec, as specdec.drafts): tokens
 outside it get logit -inf, so they are never drafted, which rejection sampling handles exactly.
+That subset misses what answers copy from their prompts: on the dev prompts (4 per category,
+the target's greedy answers) 13-15% of the answer tokens in chat, qa, rag, summarization and
+translation are outside the 8,192-token subset (names, rare words), and 7.4% of all (14% in
+summarization, 13% in translation) are outside it but already in the context. A draft trained
+with `context_vocab` drafts those too: per row, the tokens of its committed context outside the
+subset join the subset, scored by the target's own output rows (ContextTokens); training counts
+a label outside the subset where its row's context holds it (specdec.training.eagle). A draft
+trained without it gains nothing from them (its features never favour such a token: alpha
+0.324 -> 0.325 with them), so it drafts its subset only.
 
 An EAGLE directory holds:
 - config.json        the draft layer's transformers config (the target's, one layer)
 - eagle.safetensors  fc + the decoder layer (no embeddings, no output layer: the target's)
-- eagle_vocab.json   {"target": name, "vocab_size": V, "hidden_size": H, "token_ids": [...], recipe...}
+- eagle_vocab.json   {"target": name, "vocab_size": V, "hidden_size": H, "token_ids": [...], "previous_token",
+                     "context_vocab", recipe...}
 
 Loading attaches the target's (frozen) input embeddings and the subset's rows of its output
 layer, and refuses a directory made for another target (IncompatibleModels).
@@ -83,6 +93,22 @@ def eagle_config(target_config):
 
 
 @dataclass(frozen=True)
+class ContextTokens:
+    """A context_vocab draft's draftable tokens beyond its subset, per row: those of the row's
+    context outside the subset (EagleDraft.context_tokens)."""
+
+    ids: torch.Tensor  # [B, C] long; -1 pads a row with fewer
+    rows: torch.Tensor  # [B, C, H] the target's output rows of ids (zeros at pads)
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """features [B, ..., H] -> their logits [B, ..., C] (-inf at pads)."""
+        batch, hidden = features.shape[0], features.shape[-1]
+        flat = features.reshape(batch, -1, hidden).to(self.rows.dtype) @ self.rows.transpose(1, 2)  # [B, n, C]
+        flat = flat.to(features.dtype).masked_fill(self.ids[:, None, :] < 0, float("-inf"))
+        return flat.view(*features.shape[:-1], self.ids.shape[1])
+
+
+@dataclass(frozen=True)
 class _DraftingWeights:
     key: tuple  # the parameters' identities and versions these were made from
     layer: object  # specdec.backends.fast._Layer
@@ -99,7 +125,8 @@ class EagleDraft(torch.nn.Module):
     of token_ids [subset]. All three are frozen buffers, never saved (they are the target's)."""
 
     def __init__(self, config, embed: torch.Tensor, head: torch.Tensor, token_ids: torch.Tensor,
-                 drafting_dtype: Optional[torch.dtype] = None, previous_token: bool = False):
+                 drafting_dtype: Optional[torch.dtype] = None, previous_token: bool = False,
+                 output: Optional[torch.Tensor] = None, context_vocab: bool = False):
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
         super().__init__()
@@ -116,6 +143,15 @@ class EagleDraft(torch.nn.Module):
         self.register_buffer("embed", embed.detach(), persistent=False)  # [vocab, H]
         self.register_buffer("head", head.detach(), persistent=False)  # [subset, H]
         self.register_buffer("token_ids", token_ids.long(), persistent=False)  # [subset]
+        # The target's whole output layer [vocab, H] (None: the subset's rows only): what a
+        # context_vocab draft scores the context's tokens outside the subset with.
+        self.register_buffer("output", None if output is None else output.detach(), persistent=False)
+        self.context_vocab = context_vocab
+        in_subset = torch.zeros(self.vocab_size, dtype=torch.bool, device=token_ids.device)
+        in_subset[token_ids] = True
+        self.register_buffer("in_subset", in_subset, persistent=False)  # [vocab]
+        if context_vocab and output is None:
+            raise ValueError("a context_vocab draft needs the target's output layer (output=)")
         self.shape = LayerShape(config)
         self.drafting_dtype = drafting_dtype
         self._drafting: Optional[_DraftingWeights] = None  # made from the parameters on demand (drafting())
@@ -156,9 +192,36 @@ class EagleDraft(torch.nn.Module):
         return features @ self.head.T
 
     @torch.inference_mode()
-    def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """Drafting: features [..., H] -> full-vocabulary logits [..., vocab], -inf outside the subset."""
-        return scatter_subset_logits(linear_rows(features, self.drafting().head), self.token_ids, self.vocab_size)
+    def logits(self, features: torch.Tensor, extra: Optional[ContextTokens] = None) -> torch.Tensor:
+        """Drafting: features [..., H] -> full-vocabulary logits [..., vocab], -inf outside the subset
+        (and extra's tokens, for features [B, ..., H])."""
+        sub = linear_rows(features, self.drafting().head)
+        if extra is None or extra.ids.shape[1] == 0:
+            return scatter_subset_logits(sub, self.token_ids, self.vocab_size)
+        # one more column takes the pads' scores, then goes
+        full = scatter_subset_logits(sub, self.token_ids, self.vocab_size + 1)
+        index = extra.ids.masked_fill(extra.ids < 0, self.vocab_size)  # [B, C]
+        index = index.view(index.shape[0], *([1] * (features.dim() - 2)), index.shape[1])
+        index = index.expand(*features.shape[:-1], index.shape[-1])
+        return full.scatter_(-1, index, extra.logits(features))[..., : self.vocab_size]
+
+    def context_tokens(self, contexts) -> Optional[ContextTokens]:
+        """The tokens a context_vocab draft drafts beside its subset: per row, its context's
+        (contexts: B token sequences) outside the subset, in token order; None for a draft
+        trained without them (measured: such a draft's features do not pick them, alpha on the
+        dev prompts 0.324 -> 0.325, so it drafts its subset only)."""
+        if not self.context_vocab:
+            return None
+        found = []
+        for ctx in contexts:
+            ids = torch.unique(torch.as_tensor(list(ctx), dtype=torch.long, device=self.token_ids.device))
+            found.append(ids[~self.in_subset[ids]])
+        width = max((len(f) for f in found), default=0)
+        ids = torch.full((len(found), width), -1, dtype=torch.long, device=self.token_ids.device)
+        for b, f in enumerate(found):
+            ids[b, : len(f)] = f
+        rows = self.output[ids.clamp_min(0)].to(self.dtype) * (ids >= 0)[..., None]
+        return ContextTokens(ids, rows)
 
     # --- drafting on a KV cache of pairs ----------------------------------------------------
 
@@ -186,12 +249,21 @@ class EagleDraft(torch.nn.Module):
         return self._drafting
 
     @torch.inference_mode()
-    def top_tokens(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def top_tokens(self, features: torch.Tensor, k: int,
+                   extra: Optional[ContextTokens] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafting: features [..., H] -> the k likeliest tokens (ids [..., k], best first) and their
-        log-probabilities [..., k] (float32), over the subset (the tokens outside it have none)."""
+        log-probabilities [..., k] (float32), over the subset and extra's tokens (for features
+        [B, ..., H]); the others have none."""
         sub = linear_rows(features, self.drafting().head).float()
-        top = sub.topk(k, dim=-1)
-        return self.token_ids[top.indices], top.values - torch.logsumexp(sub, dim=-1, keepdim=True)
+        if extra is None or extra.ids.shape[1] == 0:
+            top = sub.topk(k, dim=-1)
+            return self.token_ids[top.indices], top.values - torch.logsumexp(sub, dim=-1, keepdim=True)
+        scores = torch.cat([sub, extra.logits(features).float()], dim=-1)  # [B, ..., subset + C]
+        top = scores.topk(k, dim=-1)
+        batch = features.shape[0]
+        table = torch.cat([self.token_ids.expand(batch, -1), extra.ids], dim=1)  # [B, subset + C]
+        ids = table.gather(1, top.indices.reshape(batch, -1)).view(top.indices.shape)
+        return ids, top.values - torch.logsumexp(scores, dim=-1, keepdim=True)
 
     @torch.inference_mode()
     def extend(self, cache: FastKVCache, features: torch.Tensor, input_ids: torch.Tensor,
@@ -224,12 +296,13 @@ class EagleDraft(torch.nn.Module):
         return out
 
 
-def build_eagle(target, token_ids: torch.Tensor, previous_token: bool = False) -> EagleDraft:
+def build_eagle(target, token_ids: torch.Tensor, previous_token: bool = False,
+                context_vocab: bool = False) -> EagleDraft:
     """A fresh (untrained) draft for `target` (a CausalLM with a transformers config), drafting
     token_ids [subset], in the target's dtype and on its device."""
     embed, out = target.embedding_tables()
     draft = EagleDraft(eagle_config(target.config), embed, out.detach()[token_ids.to(out.device)], token_ids,
-                       previous_token=previous_token)
+                       previous_token=previous_token, output=out, context_vocab=context_vocab)
     return draft.to(device=embed.device, dtype=embed.dtype).eval()
 
 
@@ -243,7 +316,8 @@ def save_eagle(out: Path, draft: EagleDraft, meta: dict, dtype: torch.dtype = to
     save_file(weights, str(tmp))
     tmp.replace(out / WEIGHTS_FILE)
     info = dict(meta, vocab_size=draft.vocab_size, hidden_size=int(draft.config.hidden_size),
-                previous_token=draft.previous_token, token_ids=[int(t) for t in draft.token_ids.tolist()])
+                previous_token=draft.previous_token, context_vocab=draft.context_vocab,
+                token_ids=[int(t) for t in draft.token_ids.tolist()])
     tmp = out / (VOCAB_FILE + ".tmp")
     tmp.write_text(json.dumps(info))
     tmp.replace(out / VOCAB_FILE)
@@ -294,7 +368,8 @@ def load_eagle(path: Path, target, target_name: Optional[str] = None,
     token_ids = torch.tensor(info["token_ids"], dtype=torch.long)
     draft = EagleDraft(eagle_config(config), embed, out.detach()[token_ids.to(out.device)], token_ids,
                        drafting_dtype=drafting_dtype or DRAFTING_DTYPE.get(embed.dtype),
-                       previous_token=bool(info.get("previous_token", False)))
+                       previous_token=bool(info.get("previous_token", False)), output=out,
+                       context_vocab=bool(info.get("context_vocab", False)))
     state = load_file(str(path / WEIGHTS_FILE))
     missing, unexpected = draft.load_state_dict(state, strict=False)
     if missing or unexpected:

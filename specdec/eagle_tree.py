@@ -24,11 +24,11 @@ Greedy only: a sampled step drafts a chain (specdec.proposers.eagle).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from specdec.eagle import EagleDraft
+from specdec.eagle import ContextTokens, EagleDraft
 from specdec.backends.fast import FastKVCache
 
 
@@ -62,11 +62,13 @@ def choose_nodes(scores: Sequence[float], parents: Sequence[int], depths: Sequen
 
 @torch.inference_mode()
 def draft_trees(draft: EagleDraft, cache: FastKVCache, root_features: torch.Tensor, last_tokens: torch.Tensor,
-                depths: Sequence[int], nodes: Sequence[int], topk: int) -> list[DraftTree]:
+                depths: Sequence[int], nodes: Sequence[int], topk: int,
+                extra: Optional[ContextTokens] = None) -> list[DraftTree]:
     """Dynamic trees for B rows (see the module's docstring): cache holds each row's committed
     pairs (the tree's nodes are appended and dropped again before returning), root_features
     [B, H] the draft's predicted feature at each row's last committed position, last_tokens [B]
-    the last committed tokens; per row its tree's depth (>= 0) and node budget (>= depth)."""
+    the last committed tokens; per row its tree's depth (>= 0) and node budget (>= depth);
+    extra: a context_vocab draft's context tokens (EagleDraft.context_tokens)."""
     batch = root_features.shape[0]
     max_depth = max(depths, default=0)
     if max_depth == 0:
@@ -75,7 +77,7 @@ def draft_trees(draft: EagleDraft, cache: FastKVCache, root_features: torch.Tens
     committed = cache.lengths.clone()  # [B] pairs before the tree
     first_tree_slot = cache.num_slots
     sees_committed = cache.valid.clone()  # [B, slots]
-    ids, logp = draft.top_tokens(root_features, topk)  # [B, K]
+    ids, logp = draft.top_tokens(root_features, topk, extra)  # [B, K]
     # Candidates per row, as lists: token, score, parent (candidate index, -1: root), depth.
     tok = [r.tolist() for r in ids.cpu()]
     score = [r.tolist() for r in logp.cpu()]
@@ -114,7 +116,7 @@ def draft_trees(draft: EagleDraft, cache: FastKVCache, root_features: torch.Tens
         out = draft.extend(cache, feats, in_ids, previous_ids=prev_ids, sees=sees, positions=positions,
                            block_mask=torch.eye(topk, dtype=torch.bool).expand(batch, topk, topk))
         assert cache.num_slots == width
-        child_ids, child_logp = draft.top_tokens(out, topk)  # [B, K, K]
+        child_ids, child_logp = draft.top_tokens(out, topk, extra)  # [B, K, K]
         child_ids, child_logp = child_ids.cpu(), child_logp.cpu()
         for b in range(batch):
             level[b] = []

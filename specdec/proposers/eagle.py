@@ -238,6 +238,7 @@ class EagleProposer(Proposer):
         if k_max == 0:
             return [Proposal() for _ in ctx.row_ids]
         # 2. Draft k_max tokens for every row, each from the draft's own predicted feature.
+        extra = self.draft.context_tokens(ctx.token_ids)  # a context_vocab draft's context tokens
         predicted = [feature]
         before_tok = [torch.tensor([toks[-1] for toks in ctx.token_ids])]  # the token before the next pair's
 
@@ -245,13 +246,13 @@ class EagleProposer(Proposer):
             predicted[0] = self.draft.extend(self.rows.cache, predicted[0][:, None], tok[:, None],
                                              previous_ids=before_tok[0][:, None])[:, 0]
             before_tok[0] = tok
-            return self.draft.logits(predicted[0])
+            return self.draft.logits(predicted[0], extra)
 
         budgets = self.tree_budgets(ctx)
         if any(n > k for n, k in zip(budgets, ctx.k)):
             self._confidences = []
             last = torch.tensor([toks[-1] for toks in ctx.token_ids])
-            trees = draft_trees(self.draft, self.rows.cache, feature, last, ctx.k, budgets, TREE_TOPK)
+            trees = draft_trees(self.draft, self.rows.cache, feature, last, ctx.k, budgets, TREE_TOPK, extra)
             return [Proposal(token_ids=t.token_ids, parents=t.parents if n > k else None)
                     for t, n, k in zip(trees, budgets, ctx.k)]
         # Depth d's confidence: the draft's probability of the chain's tokens before d times its
@@ -272,7 +273,7 @@ class EagleProposer(Proposer):
             return self.depth is not None and not any(kept[b] == len(conf) and self.depth.further(conf, k)
                                                       for b, (conf, k) in enumerate(zip(confidences, ctx.k)))
 
-        tokens, draft_probs = draft_chain(self.draft.logits(feature), feed, k_max, ctx.sampling, ctx.generators,
+        tokens, draft_probs = draft_chain(self.draft.logits(feature, extra), feed, k_max, ctx.sampling, ctx.generators,
                                           enough)
         tokens = tokens.cpu()  # [rows, n]
         self._confidences = [conf[:n] for conf, n in zip(confidences, kept)]

@@ -127,6 +127,9 @@ def add_train_eagle(tsub: argparse._SubParsersAction) -> None:
                         "with --resume from a draft made without it, that draft is widened and trained on")
     p.add_argument("--soft-labels", action="store_true",
                    help="token loss against the target's distribution over the subset (EAGLE's), not its top-1")
+    p.add_argument("--context-vocab", action="store_true",
+                   help="the tokens of each request's context are draftable too, beside the frequent subset "
+                        "(names and rare words an answer copies from its prompt); the token loss counts them")
     p.add_argument("--token-weight", type=float, default=d.token_weight,
                    help=f"weight of the token loss (default {d.token_weight})")
     p.add_argument("--feature-weight", type=float, default=d.feature_weight,
@@ -160,6 +163,7 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
     target = load_model(args.target, backend=args.backend)
     recipe = EagleRecipe(vocab=args.vocab, tokens_per_step=args.tokens_per_step, unroll=args.unroll, lr=args.lr,
                          previous_token=args.previous_token, soft_labels=args.soft_labels,
+                         context_vocab=args.context_vocab,
                          token_weight=args.token_weight, feature_weight=args.feature_weight)
     train_eagle(target.lm, data, args.out, args.work or Path("runs/eagle"), recipe=recipe, init=args.init,
                 target_name=_target_name(args.target),

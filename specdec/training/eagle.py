@@ -73,12 +73,13 @@ class EagleRecipe:
     seed: int = 0
     previous_token: bool = False  # pairs read the token before theirs too (specdec.eagle: copying in one layer)
     soft_labels: bool = False  # token loss against the target's distribution over the subset, not its top-1
+    context_vocab: bool = False  # the context's tokens are draftable too (specdec.eagle: copying rare tokens)
 
 
 def same_recipe(saved: dict, recipe: EagleRecipe) -> bool:
     """Whether a recipe stored by a run (its dict; keys added since take their old meaning)
     is `recipe`."""
-    return {"previous_token": False, "soft_labels": False, **saved} == asdict(recipe)
+    return {"previous_token": False, "soft_labels": False, "context_vocab": False, **saved} == asdict(recipe)
 
 
 def widens(saved: dict, recipe: EagleRecipe) -> bool:
@@ -114,9 +115,12 @@ class Batch:
     tokens: torch.Tensor  # [B, W] long
     previous: torch.Tensor  # [B, W] long: t_j, the token before the pair's
     valid: torch.Tensor  # [B, W] bool: a real pair
-    labels: torch.Tensor  # [B, W] long: subset index of y_{j+1}; -1 outside the subset or past the end
+    # labels: index of y_{j+1} in vocab_ids (without them: in the subset); -1 where it is not draftable
+    # there (outside the subset, and for a context batch not among t_0..t_{j+1}) or past the end
+    labels: torch.Tensor  # [B, W] long
     has_target: torch.Tensor  # [B, W] bool: pair j has a next row (j + 1 < m)
     judged: torch.Tensor  # [B, W] bool: has_target and predicts an answer token (agreement)
+    vocab_ids: Optional[torch.Tensor] = None  # [E] long: a context batch's draftable tokens, the subset's first
 
 
 # --- data -------------------------------------------------------------------------------------
@@ -151,10 +155,34 @@ def answer_row(ex: Example, max_seq: int) -> int:
     return max(0, len(ex.prompt_ids) - cut - 2)
 
 
-def make_batch(seqs: Sequence[CachedSequence], to_subset: torch.Tensor) -> Batch:
-    """Cached sequences -> one right-padded batch (to_subset [vocab]: subset index or -1)."""
+def context_labels(seq: CachedSequence, to_vocab: torch.Tensor, subset: int) -> torch.Tensor:
+    """For each row j < m - 1, y_{j+1}'s index in to_vocab [vocab] where the subset drafts it (the
+    indices below `subset`) or the row's context t_0..t_{j+1} holds it (what a context_vocab draft
+    may draft there), else -1."""
+    ids = [seq.first] + seq.tokens.tolist()  # t_0..t_m
+    first_seen: dict[int, int] = {}
+    for pos, t in enumerate(ids):
+        first_seen.setdefault(t, pos)
+    labels = seq.top1[1:].long()  # y_{j+1}, j = 0..m-2
+    seen_at = torch.tensor([first_seen.get(t, len(ids)) for t in labels.tolist()], dtype=torch.long)
+    index = to_vocab[labels]
+    draftable = ((index >= 0) & (index < subset)) | (seen_at <= torch.arange(len(labels)) + 1)
+    return torch.where(draftable, index, -1)
+
+
+def make_batch(seqs: Sequence[CachedSequence], to_subset: torch.Tensor, context_vocab: bool = False) -> Batch:
+    """Cached sequences -> one right-padded batch (to_subset [vocab]: subset index or -1).
+    context_vocab: the batch's draftable tokens are the subset's and every token its sequences
+    hold (vocab_ids), a label counting where the subset drafts it or its row's context holds it."""
     width = max(len(s.tokens) for s in seqs)
     hidden = seqs[0].features.shape[1]
+    vocab_ids = None
+    if context_vocab:  # the subset's tokens, then the others the batch holds
+        subset_ids = torch.nonzero(to_subset >= 0).flatten()[to_subset[to_subset >= 0].argsort()]
+        held = torch.unique(torch.cat([torch.cat([torch.tensor([s.first]), s.tokens.long()]) for s in seqs]))
+        vocab_ids = torch.cat([subset_ids, held[to_subset[held] < 0]])
+        to_vocab = torch.full_like(to_subset, -1)
+        to_vocab[vocab_ids] = torch.arange(len(vocab_ids))
     feats = torch.zeros(len(seqs), width, hidden)
     tokens = torch.zeros(len(seqs), width, dtype=torch.long)
     previous = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -168,11 +196,12 @@ def make_batch(seqs: Sequence[CachedSequence], to_subset: torch.Tensor) -> Batch
         tokens[b, :m] = s.tokens.long()
         previous[b, 0] = s.first
         previous[b, 1:m] = s.tokens[: m - 1].long()
-        labels[b, : m - 1] = to_subset[s.top1[1:].long()]
+        labels[b, : m - 1] = (context_labels(s, to_vocab, len(subset_ids)) if context_vocab
+                              else to_subset[s.top1[1:].long()])
         valid[b, :m] = True
         has_target[b, : m - 1] = True
         judged[b, s.eval_from : m - 1] = True
-    return Batch(feats, tokens, previous, valid, labels, has_target, judged)
+    return Batch(feats, tokens, previous, valid, labels, has_target, judged, vocab_ids)
 
 
 # --- the unrolled loss ------------------------------------------------------------------------
@@ -234,7 +263,7 @@ def unrolled_loss(draft: EagleDraft, batch: Batch, recipe: EagleRecipe
     for s, out in enumerate(unrolled_outputs(draft, feats, batch.tokens, batch.valid, recipe.unroll, batch.previous)):
         use = batch.has_target & (torch.arange(width) >= s)[None]  # [B, W]; step s has inputs from j = s
         pred, labels = out[use], batch.labels[use]  # [N, H], [N]
-        logits = draft.subset_logits(pred)  # [N, subset]
+        logits = draft.subset_logits(pred) if batch.vocab_ids is None else pred @ draft.output[batch.vocab_ids].T
         loss = recipe.feature_weight * F.smooth_l1_loss(pred, target[use])
         if recipe.soft_labels:  # EAGLE's own classification loss: the target's p(t_{j+2}) from f_{j+1}
             loss = loss + recipe.token_weight * F.cross_entropy(logits, teacher_probs(draft, target[use]))
@@ -329,6 +358,8 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
     a checkpoint in work_dir, or with `resume` this recipe's draft in out_dir, goes before it."""
     if time_budget_s is None and max_steps is None:
         raise InvalidRequest("give a time budget or a step budget")
+    if recipe.soft_labels and recipe.context_vocab:
+        raise InvalidRequest("soft labels are the target's distribution over the subset: not with a context vocabulary")
     out_dir, work_dir = Path(out_dir), Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     ckpt = work_dir / "checkpoint.pt"
@@ -386,7 +417,8 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
         f"draftable vocabulary {len(token_ids)}")
 
     # 2. the draft, the optimizer, the checkpoint.
-    draft = build_eagle(target, token_ids, previous_token=recipe.previous_token).float().train()
+    draft = build_eagle(target, token_ids, previous_token=recipe.previous_token,
+                        context_vocab=recipe.context_vocab).float().train()
     opt = torch.optim.AdamW(draft.parameters(), lr=recipe.lr, weight_decay=0.0)
     if saved is not None:
         draft.load_state_dict(saved["draft"])
@@ -421,7 +453,8 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
         loss_sum, count = 0.0, 0
         with torch.no_grad():
             for i in range(0, len(heldout), 8):
-                loss, agreement, n = unrolled_loss(draft, make_batch(heldout[i : i + 8], to_subset), recipe)
+                batch = make_batch(heldout[i : i + 8], to_subset, recipe.context_vocab)
+                loss, agreement, n = unrolled_loss(draft, batch, recipe)
                 loss_sum, count = loss_sum + float(loss) * n, count + n
                 for h, (a, j) in zip(hits, agreement):
                     h[0], h[1] = h[0] + a, h[1] + j
@@ -455,7 +488,7 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
             pairs += len(s.tokens) - 1
         for g in opt.param_groups:
             g["lr"] = lr_at(state.step - rewarm_from, progress(), recipe)
-        loss, agreement, n = unrolled_loss(draft, make_batch(batch, to_subset), recipe)
+        loss, agreement, n = unrolled_loss(draft, make_batch(batch, to_subset, recipe.context_vocab), recipe)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)

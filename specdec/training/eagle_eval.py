@@ -61,13 +61,26 @@ def accepted_lengths(hits: torch.Tensor, judged: torch.Tensor) -> tuple[list[int
 @torch.inference_mode()
 def chain_figures(draft: EagleDraft, seq: CachedSequence, k: int) -> tuple[list[int], int]:
     """(per depth d = 1..k, chains whose first d tokens the target accepts; chains counted), one
-    chain from every answer position of seq."""
+    chain from every answer position of seq. A context_vocab draft drafts its subset's tokens and
+    those of the chain's committed context (t_0..t_{p+1} for the chain after pair p)."""
     to_subset = torch.full((draft.vocab_size,), -1, dtype=torch.long)
     to_subset[draft.token_ids] = torch.arange(len(draft.token_ids))
-    batch = make_batch([seq], to_subset)
+    batch = make_batch([seq], to_subset, draft.context_vocab)
     outs = unrolled_outputs(draft, batch.features.to(draft.dtype), batch.tokens, batch.valid, k, batch.previous)
-    hits = torch.stack([(draft.subset_logits(o[0]).argmax(-1) == batch.labels[0]) & (batch.labels[0] >= 0)
-                        for o in outs])  # [k, W]
+    if batch.vocab_ids is None:
+        picks = [draft.subset_logits(o[0]).argmax(-1) for o in outs]
+    else:  # step s at j: the chain after pair j - s, whose context is t_0..t_{j-s+1}
+        ids = [seq.first, *seq.tokens.tolist()]
+        first_seen: dict[int, int] = {}
+        for pos, t in enumerate(ids):
+            first_seen.setdefault(t, pos)
+        seen = torch.tensor([-1 if draft.in_subset[t] else first_seen.get(t, len(ids))
+                             for t in batch.vocab_ids.tolist()])  # [E]
+        rows = draft.output[batch.vocab_ids].to(draft.dtype)
+        reach = torch.arange(batch.tokens.shape[1])[:, None] + 1  # [W, 1]
+        picks = [(o[0] @ rows.T).masked_fill(seen[None] > reach - s, float("-inf")).argmax(-1)
+                 for s, o in enumerate(outs)]
+    hits = torch.stack([(p == batch.labels[0]) & (batch.labels[0] >= 0) for p in picks])  # [k, W]
     return accepted_lengths(hits, batch.judged[0])
 
 
@@ -125,7 +138,8 @@ def tree_figures(draft: EagleDraft, seq: CachedSequence, shape: TreeShape, rows:
                             [v.expand(len(part), -1, -1, -1).contiguous() for _, v in whole.layer_kv()],
                             torch.arange(pairs)[None, :] < torch.tensor([L - 1 for L in part])[:, None])
         trees = draft_trees(draft, cache, out[[L - 2 for L in part]], torch.tensor([ids[L - 1] for L in part]),
-                            [shape.depth] * len(part), [shape.nodes] * len(part), shape.topk)
+                            [shape.depth] * len(part), [shape.nodes] * len(part), shape.topk,
+                            draft.context_tokens([ids[:L] for L in part]))
         accepted += sum(tree_accepted(t, ids[L: L + shape.depth]) for t, L in zip(trees, part))
     return accepted, len(starts)
 

@@ -142,15 +142,18 @@ def small_vocab_target():
     return tiny_llama(seed=3, vocab_size=VOCAB, num_layers=2, hidden_size=32, eos_token_id=VOCAB + 10)
 
 
-@pytest.mark.parametrize("sampling, subset, previous_token", [
-    (SamplingParams(temperature=1.0, seed=11), range(VOCAB), False),
-    (SamplingParams(temperature=0.8, top_k=4, top_p=0.9, seed=12), [0, 2, 3, 5], False),
-    (SamplingParams(temperature=1.0, seed=13), range(VOCAB), True),
+@pytest.mark.parametrize("sampling, subset, previous_token, context_vocab", [
+    (SamplingParams(temperature=1.0, seed=11), range(VOCAB), False, False),
+    (SamplingParams(temperature=0.8, top_k=4, top_p=0.9, seed=12), [0, 2, 3, 5], False, False),
+    (SamplingParams(temperature=1.0, seed=13), range(VOCAB), True, False),
+    (SamplingParams(temperature=1.0, seed=14), [0, 4], True, True),  # the prompt's 1, 2, 3 draftable too
 ])
-def test_eagle_sampling_matches_target_distribution(small_vocab_target, sampling, subset, previous_token):
-    """subset: the tokens the draft may propose (the others have draft probability 0)."""
+def test_eagle_sampling_matches_target_distribution(small_vocab_target, sampling, subset, previous_token,
+                                                    context_vocab):
+    """subset: the tokens the draft may propose (the others have draft probability 0);
+    context_vocab: and those of each row's context."""
     lm = small_vocab_target
-    draft = build_eagle(lm, torch.tensor(list(subset)), previous_token=previous_token)
+    draft = build_eagle(lm, torch.tensor(list(subset)), previous_token=previous_token, context_vocab=context_vocab)
     results = speculative_generate(lm, EagleProposer(draft), [PROMPT] * ROWS, sampling=sampling,
                                    stop=StopConditions(max_new_tokens=3), k=3)
     assert sum(r.stats.accepted for r in results) > 0, "the draft never got accepted: the test checks nothing"
@@ -483,6 +486,86 @@ def test_batch_labels_are_the_targets_next_top1_in_the_subset_beside_the_previou
     assert batch.previous[0].tolist() == [8, 1, 2, 3]  # t_j beside t_{j+1}: t_0 is the sequence's first
     assert batch.has_target[0].tolist() == [True, True, True, False]
     assert batch.judged[0].tolist() == [False, True, True, False]
+
+
+def test_context_batch_labels_count_a_token_outside_the_subset_once_its_row_has_seen_it():
+    from specdec.training.eagle import CachedSequence
+
+    to_subset = torch.full((96,), -1, dtype=torch.long)
+    to_subset[torch.tensor([7, 4])] = torch.tensor([0, 1])
+    seq = CachedSequence(torch.zeros(5, 48, dtype=torch.float16), torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32),
+                         torch.tensor([9, 1, 3, 2, 4], dtype=torch.int32), eval_from=0, first=8)
+    batch = make_batch([seq], to_subset, context_vocab=True)
+    assert batch.vocab_ids.tolist() == [7, 4, 1, 2, 3, 5, 8]  # the subset's, then the batch's others
+    # y_{j+1} = 1 (seen: t_0..t_1 = 8, 1), 3 (not yet: 8, 1, 2), 2 (seen), 4 (the subset's), none past the end
+    assert batch.labels[0].tolist() == [2, -1, 3, 1, -1]
+    assert make_batch([seq], to_subset).labels[0].tolist() == [-1, -1, -1, 1, -1]  # the subset's only
+
+
+def test_a_context_vocab_draft_scores_its_rows_context_tokens_beside_the_subset(tiny_target):
+    draft = build_eagle(tiny_target, torch.arange(0, 96, 2), context_vocab=True)
+    extra = draft.context_tokens([[3, 4, 5, 3], [6, 8]])
+    assert extra.ids.tolist() == [[3, 5], [-1, -1]]  # outside the subset, once each; row 2 has none
+    assert build_eagle(tiny_target, torch.arange(0, 96, 2)).context_tokens([[3]]) is None
+    feats = torch.randn(2, 3, 48)
+    logits = draft.logits(feats, extra)  # [2, 3, vocab]
+    reference = feats @ draft.output.T
+    allowed = torch.zeros(2, 96, dtype=torch.bool)
+    allowed[:, 0::2] = True
+    allowed[0, [3, 5]] = True
+    assert torch.isinf(logits[~allowed[:, None].expand_as(logits)]).all()
+    torch.testing.assert_close(logits[allowed[:, None].expand_as(logits)],
+                               reference[allowed[:, None].expand_as(logits)], atol=5e-2, rtol=5e-2)
+    ids, logp = draft.top_tokens(feats, 4, extra)
+    assert ids.tolist() == logits.topk(4, dim=-1).indices.tolist()
+    torch.testing.assert_close(logp, torch.log_softmax(logits.float(), -1).gather(-1, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def trained_context_dir(tiny_target, data_dir, tmp_path_factory):
+    """A context_vocab draft with half the vocabulary as its subset."""
+    root = tmp_path_factory.mktemp("eagle-context")
+    train_eagle(tiny_target, [data_dir], root / "draft", root / "work", max_steps=60,
+                recipe=replace(RECIPE, vocab=48, previous_token=True, context_vocab=True), log=lambda _: None)
+    return root / "draft"
+
+
+@pytest.mark.parametrize("backend", ["hf", "fast", "llamacpp"])
+@pytest.mark.parametrize("trained", [False, True])
+def test_a_context_vocab_draft_is_lossless_and_drafts_its_subset_and_its_context_s_tokens_only(
+        tiny_target, targets, trained_context_dir, backend, trained):
+    """Untrained, with a two-token subset, nearly all it drafts is the context's; trained, its
+    drafts are accepted. Chains everywhere, trees where the target verifies them."""
+    target = targets[backend]
+    draft = (load_eagle(trained_context_dir, target, target_name=tiny_target.name) if trained
+             else build_eagle(tiny_target, torch.tensor([0, 1]), context_vocab=True))
+    subset = set(draft.token_ids.tolist())
+    beyond = []
+
+    class Watching(EagleProposer):
+        def propose(self, ctx):
+            got = super().propose(ctx)
+            for toks, p in zip(ctx.token_ids, got):
+                assert set(p.token_ids) <= subset | set(toks)
+                beyond.extend(set(p.token_ids) - subset)
+            return got
+
+    stop = StopConditions(max_new_tokens=25)
+    shapes = [{}] + ([{"verify_cost": GPU_LIKE_COST, "runs_trees": True}] if backend != "llamacpp" else [])
+    for shape in shapes:
+        got = check_greedy(target, Watching(draft, **shape), PROMPTS, stop, 4)
+        if trained:
+            assert sum(g.stats.accepted for g in got) > 0
+    if not trained:
+        assert beyond, "no token outside the subset was drafted: the test checks nothing"
+
+
+def test_the_context_vocab_recipe_round_trips_and_refuses_soft_labels(tiny_target, data_dir, trained_context_dir,
+                                                                      tmp_path):
+    assert json.loads((trained_context_dir / "eagle_vocab.json").read_text())["context_vocab"] is True
+    with pytest.raises(InvalidRequest, match="soft labels"):
+        train_eagle(tiny_target, [data_dir], tmp_path / "d", tmp_path / "w", max_steps=1, log=lambda _: None,
+                    recipe=replace(RECIPE, soft_labels=True, context_vocab=True))
 
 
 # --- trees where verification is about as cheap as the chain's ---------------------------------

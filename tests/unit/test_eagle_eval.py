@@ -60,6 +60,28 @@ def test_a_chain_shaped_tree_accepts_what_the_chain_does_and_a_wider_tree_more(t
     assert wide["tree_tau"] > chain["tree_tau"]
 
 
+def test_a_context_vocab_draft_s_chains_count_what_its_drafting_drafts(tiny_target):
+    """The chain figures mask the context's tokens as drafting does (each chain's committed
+    context only): with a subset that holds none of the prompts' or answers' tokens, every
+    accepted token is the context's, and a chain-shaped tree, drafted through
+    EagleDraft.context_tokens, accepts what the chain figures count."""
+    from specdec.training.eagle_eval import TreeShape
+
+    rows = _answers(tiny_target, 4, seed=0, max_new=16)  # answers that repeat their own tokens
+    used = {t for r in rows for t in r["prompt_ids"] + r["answer_ids"]}
+    free = torch.tensor([t for t in range(96) if t not in used][:2])
+    prompts = [("synthetic", r["prompt_ids"]) for r in rows]
+    accepted = 0.0
+    for seed in range(6):  # untrained drafts: right by chance, each its own way
+        torch.manual_seed(seed)
+        draft = build_eagle(tiny_target, free, context_vocab=True)
+        got = compare(tiny_target, {"context": draft}, prompts, max_new_tokens=16, k=3, tree=TreeShape(3, 3, 1))
+        got = got["context"]["all"]
+        assert got["tree_tau"] == pytest.approx(1 + got["accepted"], abs=0.03)
+        accepted += got["accepted"]
+    assert accepted > 0  # (the subset's tokens are never right: only the context's can be)
+
+
 @pytest.mark.parametrize("bad", ["4,32", "4,2,8", "0,4,1", "a,b,c"])
 def test_a_tree_shape_it_cannot_draft_is_refused_with_what_it_wants(bad, capsys):
     from specdec.training.eagle_eval import main
