@@ -143,8 +143,8 @@ class EagleDraft(torch.nn.Module):
         self.register_buffer("embed", embed.detach(), persistent=False)  # [vocab, H]
         self.register_buffer("head", head.detach(), persistent=False)  # [subset, H]
         self.register_buffer("token_ids", token_ids.long(), persistent=False)  # [subset]
-        # The target's whole output layer [vocab, H] (None: the subset's rows only): what a
-        # context_vocab draft scores the context's tokens outside the subset with.
+        # The target's whole output layer [vocab, H], held by a context_vocab draft only (what it
+        # scores the context's tokens outside the subset with; another holds the subset's rows).
         self.register_buffer("output", None if output is None else output.detach(), persistent=False)
         self.context_vocab = context_vocab
         in_subset = torch.zeros(self.vocab_size, dtype=torch.bool, device=token_ids.device)
@@ -302,7 +302,8 @@ def build_eagle(target, token_ids: torch.Tensor, previous_token: bool = False,
     token_ids [subset], in the target's dtype and on its device."""
     embed, out = target.embedding_tables()
     draft = EagleDraft(eagle_config(target.config), embed, out.detach()[token_ids.to(out.device)], token_ids,
-                       previous_token=previous_token, output=out, context_vocab=context_vocab)
+                       previous_token=previous_token, output=out if context_vocab else None,
+                       context_vocab=context_vocab)
     return draft.to(device=embed.device, dtype=embed.dtype).eval()
 
 
@@ -366,10 +367,11 @@ def load_eagle(path: Path, target, target_name: Optional[str] = None,
                                  f"embedding table, the target's is {embed.shape[0]} x {embed.shape[1]}")
     config = AutoConfig.from_pretrained(path, attn_implementation="sdpa")
     token_ids = torch.tensor(info["token_ids"], dtype=torch.long)
+    context_vocab = bool(info.get("context_vocab", False))
     draft = EagleDraft(eagle_config(config), embed, out.detach()[token_ids.to(out.device)], token_ids,
                        drafting_dtype=drafting_dtype or DRAFTING_DTYPE.get(embed.dtype),
-                       previous_token=bool(info.get("previous_token", False)), output=out,
-                       context_vocab=bool(info.get("context_vocab", False)))
+                       previous_token=bool(info.get("previous_token", False)),
+                       output=out if context_vocab else None, context_vocab=context_vocab)
     state = load_file(str(path / WEIGHTS_FILE))
     missing, unexpected = draft.load_state_dict(state, strict=False)
     if missing or unexpected:
