@@ -155,14 +155,20 @@ def answer_row(ex: Example, max_seq: int) -> int:
     return max(0, len(ex.prompt_ids) - cut - 2)
 
 
+def first_positions(ids: Sequence[int]) -> dict[int, int]:
+    """Each token of ids -> the position it first holds."""
+    first: dict[int, int] = {}
+    for pos, t in enumerate(ids):
+        first.setdefault(t, pos)
+    return first
+
+
 def context_labels(seq: CachedSequence, to_vocab: torch.Tensor, subset: int) -> torch.Tensor:
     """For each row j < m - 1, y_{j+1}'s index in to_vocab [vocab] where the subset drafts it (the
     indices below `subset`) or the row's context t_0..t_{j+1} holds it (what a context_vocab draft
     may draft there), else -1."""
     ids = [seq.first] + seq.tokens.tolist()  # t_0..t_m
-    first_seen: dict[int, int] = {}
-    for pos, t in enumerate(ids):
-        first_seen.setdefault(t, pos)
+    first_seen = first_positions(ids)
     labels = seq.top1[1:].long()  # y_{j+1}, j = 0..m-2
     seen_at = torch.tensor([first_seen.get(t, len(ids)) for t in labels.tolist()], dtype=torch.long)
     index = to_vocab[labels]

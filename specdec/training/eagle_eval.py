@@ -27,7 +27,7 @@ from specdec.decode import plain_generate
 from specdec.backends.hf import CausalLM
 from specdec.eagle import EagleDraft
 from specdec.eagle_tree import DraftTree, draft_trees
-from specdec.training.eagle import CachedSequence, make_batch, unrolled_outputs
+from specdec.training.eagle import CachedSequence, first_positions, make_batch, unrolled_outputs
 from specdec.types import StopConditions
 
 
@@ -71,9 +71,7 @@ def chain_figures(draft: EagleDraft, seq: CachedSequence, k: int) -> tuple[list[
         picks = [draft.subset_logits(o[0]).argmax(-1) for o in outs]
     else:  # step s at j: the chain after pair j - s, whose context is t_0..t_{j-s+1}
         ids = [seq.first, *seq.tokens.tolist()]
-        first_seen: dict[int, int] = {}
-        for pos, t in enumerate(ids):
-            first_seen.setdefault(t, pos)
+        first_seen = first_positions(ids)
         seen = torch.tensor([-1 if draft.in_subset[t] else first_seen.get(t, len(ids))
                              for t in batch.vocab_ids.tolist()])  # [E]
         rows = draft.output[batch.vocab_ids].to(draft.dtype)
