@@ -163,3 +163,160 @@ def document_prompts(seed: int, articles: Sequence[tuple[str, str]], count: int,
 
 def all_foreign_sentences(langs: Iterable[str] = LANGUAGES) -> dict[str, list[str]]:
     return {lang: foreign_sentences(lang) for lang in langs}
+
+
+# --- Passages: text people wrote, found on this machine -------------------------------------
+# The articles above are the target's own prose; the evaluation's summaries, RAG passages and
+# translations read text people wrote (rarer words, names, longer sentences), which the target
+# copies from. The manual pages (/usr/share/man: English, and the German translations) are such
+# text on every Debian-like machine; the prompts are built from them by `passage_prompts`.
+
+_ROFF_ESCAPES = [(re.compile(r"\\f(\[[^\]]*\]|\(..|.)"), ""), (re.compile(r"\\s[+-]?\d+"), ""),
+                 (re.compile(r"\\\*\((lq|rq)"), '"'), (re.compile(r"\\\((lq|rq|dq)"), '"'),
+                 (re.compile(r"\\(?:\(|\[)(:[aouAOU]|ss)\]?"), lambda m: _ROFF_LETTERS[m.group(1)]),
+                 (re.compile(r"\\\((em|en)"), "-"), (re.compile(r"\\\(aq"), "'"), (re.compile(r"\\\(..|\\\[[^\]]*\]"), ""),
+                 (re.compile(r"\\[-]"), "-"), (re.compile(r"\\[&|^,/%:]"), ""), (re.compile(r"\\e"), ""),
+                 (re.compile(r"\\ "), " ")]
+_ROFF_LETTERS = {":a": "ä", ":o": "ö", ":u": "ü", ":A": "Ä", ":O": "Ö", ":U": "Ü", "ss": "ß"}
+_PARAGRAPH_BREAKS = re.compile(r"^[.'](PP|LP|P|SH|SS|TP|IP|HP|sp|br|RS|RE|nf|fi|EX|EE|TH|in|ti)\b")
+_WORD = re.compile(r"[^\W\d_]{2,}")
+
+
+def _unescape(line: str) -> str:
+    for pattern, repl in _ROFF_ESCAPES:
+        line = pattern.sub(repl, line)
+    return line
+
+
+def roff_paragraphs(source: str) -> list[str]:
+    """The prose paragraphs of a manual page's roff source: text lines joined up to the next
+    paragraph macro or blank line, font and character escapes removed; macro lines, comments and
+    no-fill blocks (examples, tables) dropped, so what is left is sentences people wrote."""
+    paragraphs, lines, nofill = [], [], False
+
+    def flush() -> None:
+        text = " ".join(" ".join(lines).split())
+        if text:
+            paragraphs.append(text)
+        lines.clear()
+
+    for raw in source.splitlines():
+        if raw.startswith((".\\\"", "'\\\"", '.\\"')) or raw.startswith("\\\""):
+            continue
+        if raw.startswith((".nf", ".EX", ".TS")):
+            nofill = True
+        if raw.startswith((".fi", ".EE", ".TE")):
+            nofill = False
+            flush()
+            continue
+        if nofill:
+            continue
+        if not raw.strip() or _PARAGRAPH_BREAKS.match(raw):
+            flush()
+            continue
+        if raw.startswith((".", "'")):
+            macro, _, rest = raw.partition(" ")
+            if macro in (".B", ".I", ".BR", ".IR", ".RB", ".RI", ".BI", ".IB", ".SM"):
+                lines.append(_unescape(rest.replace('"', "")))  # font macros hold text (their words, spaced)
+            else:
+                flush()
+            continue
+        lines.append(_unescape(raw))
+    flush()
+    return paragraphs
+
+
+def is_prose(text: str, min_words: int) -> bool:
+    """Mostly words, ending a sentence: not a list of options, a synopsis or a table row."""
+    words = text.split()
+    if len(words) < min_words or text[-1] not in ".!?":
+        return False
+    return sum(bool(_WORD.fullmatch(w.strip(".,;:()\"'!?"))) for w in words) >= 0.8 * len(words)
+
+
+def man_pages(man_dir: Path, sections: str = "1578", per_family: int = 3) -> list[Path]:
+    """The gzipped pages of the sections, sorted, at most `per_family` of the pages whose names
+    share their part before the first '_' (one tool's thousands of generated subcommand pages,
+    such as gcloud's, would be most of the text otherwise)."""
+    pages, families = [], {}
+    for p in sorted(p for s in sections for p in Path(man_dir).glob(f"man{s}/*.gz")):
+        family = p.name.split("_")[0]
+        families[family] = families.get(family, 0) + 1
+        if families[family] <= per_family:
+            pages.append(p)
+    return pages
+
+
+def man_passages(man_dir: Path = Path("/usr/share/man"), *, min_words: int = 25, max_words: int = 220,
+                 limit: int = 20000) -> list[tuple[str, str]]:
+    """(page name, passage) over the manual pages under `man_dir` (a language's folder, e.g.
+    /usr/share/man/de, for its translations): consecutive prose paragraphs of one page joined up to
+    `max_words`, passages under `min_words` dropped; sorted by page, at most `limit` pages read."""
+    import gzip
+
+    out = []
+    for page in man_pages(man_dir)[:limit]:
+        try:
+            source = gzip.decompress(page.read_bytes()).decode("utf-8")
+        except (OSError, UnicodeDecodeError, EOFError):
+            continue
+        name = page.name.split(".")[0]
+        block: list[str] = []
+        for para in (p for p in roff_paragraphs(source) if is_prose(p, 8)):
+            if block and len(" ".join(block + [para]).split()) > max_words:
+                out.append((name, " ".join(block)))
+                block = []
+            if len(para.split()) <= max_words:
+                block.append(para)
+        if block:
+            out.append((name, " ".join(block)))
+    # a passage that starts inside a sentence (after an option's name, say) starts at its next one
+    out = [(n, t if t[0].isupper() or t.split()[0] == n else (_SENTENCE_END.split(t, 1) + [""])[1])
+           for n, t in out]
+    return [(n, t) for n, t in out if len(t.split()) >= min_words]
+
+
+_SENTENCE_END = re.compile(r"(?<=[a-zäöüß0-9)][.!?])\s+(?=[A-ZÄÖÜ])")
+
+
+def sentences(passages: Iterable[tuple[str, str]], min_chars: int = 40, max_chars: int = 240) -> list[str]:
+    """The sentences of the passages that are prose of `min_chars`..`max_chars`, deduplicated, in order."""
+    seen: dict[str, None] = {}
+    for _, text in passages:
+        for s in _SENTENCE_END.split(text):
+            if min_chars <= len(s) <= max_chars and is_prose(s, 6):
+                seen.setdefault(s, None)
+    return list(seen)
+
+
+PASSAGE_QUESTIONS = ["What does {name} do?", "What is {name} used for?", "According to the text, what does {name} do?",
+                     "How is {name} used?", "What does the text say about {name}?", "Why would someone use {name}?"]
+
+
+def passage_prompts(seed: int, passages: Sequence[tuple[str, str]], count: int,
+                    foreign: dict[str, list[str]]) -> list[TrainingPrompt]:
+    """Summarization, rag and translation prompts in turn over (name, passage) pairs and
+    {language: sentences} (the evaluation's own forms: "Summarize: ...", a passage and a question,
+    "Translate German to English: ..."); deterministic for a seed, a category without material skipped."""
+    rng = random.Random(seed)
+    order = list(range(len(passages)))
+    rng.shuffle(order)
+    langs = [lang for lang in LANGUAGE_WEIGHTS if foreign.get(lang)]
+    makers = {}
+    if passages:
+        makers["summarization"] = lambda p: rng.choice(["Summarize: {t}", "Summarize the following text.\n\n{t}",
+                                                        "{t}\n\nSummarize the text above in a few sentences."]
+                                                       ).format(t=p[1])
+        makers["rag"] = lambda p: rng.choice(["{t}\n{q}", "{t}\n\nAnswer using the text above: {q}"]
+                                             ).format(t=p[1], q=rng.choice(PASSAGE_QUESTIONS).format(name=p[0]))
+    if langs:
+        def translate(_):
+            lang = rng.choices(langs, weights=[LANGUAGE_WEIGHTS[x] for x in langs])[0]
+            return f"Translate {LANGUAGES[lang]} to English: {rng.choice(foreign[lang])}"
+        makers["translation"] = translate
+    cats = list(makers)
+    out = []
+    for i in range(count if cats else 0):
+        cat = cats[i % len(cats)]
+        out.append(TrainingPrompt(cat, makers[cat](passages[order[i % len(order)]] if passages else None)))
+    return out

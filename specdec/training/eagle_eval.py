@@ -192,12 +192,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     from specdec.eagle import load_eagle, shipped_eagle_path
     from specdec.models import DEFAULT_TARGET, format_prompt, load_model
     from specdec.prompt_sets import DEV_PROMPTS, read_prompt_rows
+    from specdec.training.selfdistill import training_kind_prompts
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--eagle", action="append", default=None,
                     help="an EAGLE directory (repeat to compare several; default: the shipped draft)")
     ap.add_argument("--prompts", default=str(DEV_PROMPTS),
                     help="JSONL with {category, turns: [text, ...]} per line (default: the shipped dev set)")
+    ap.add_argument("--training-kinds", action="store_true",
+                    help="instead of --prompts: prompts of the training data's kinds that it holds no answer to "
+                         "(real instructions after those data/real answered, prompts drawn again from the templates)")
     ap.add_argument("--per-category", type=int, default=2, help="the first N prompts of each category")
     ap.add_argument("--target", default=None)
     ap.add_argument("--backend", default="fast")
@@ -211,11 +215,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     target = load_model(args.target, backend=args.backend)
     dirs = args.eagle or [str(shipped_eagle_path(DEFAULT_TARGET))]
     drafts = {d: load_eagle(Path(d), target.lm).float() for d in dirs}
-    picked: dict[str, list] = defaultdict(list)
-    for r in read_prompt_rows(args.prompts):
-        if len(picked[r["category"]]) < args.per_category:
-            picked[r["category"]].append(r)
-    prompts = [(cat, format_prompt(target.tokenizer, r["turns"][0])) for cat, rs in picked.items() for r in rs]
+    if args.training_kinds:
+        texts = [(p.category, p.text) for p in training_kind_prompts(args.per_category)]
+    else:
+        picked: dict[str, list] = defaultdict(list)
+        for r in read_prompt_rows(args.prompts):
+            if len(picked[r["category"]]) < args.per_category:
+                picked[r["category"]].append(r)
+        texts = [(cat, r["turns"][0]) for cat, rs in picked.items() for r in rs]
+    prompts = [(cat, format_prompt(target.tokenizer, text)) for cat, text in texts]
     table = compare(target.lm, drafts, prompts, args.max_new_tokens, args.k, args.tree)
     print(format_table(table, args.k, args.tree))
     if args.json:

@@ -12,12 +12,15 @@ Prompt sets (`--set`): `real` (real instructions from a JSONL file, by default t
 and licences beside it; shuffled by the seed so any first `--count` mixes all sources), `base`
 (specdec.training.prompts: short prompts from templates and the stdlib), `articles` (the target writes news stories and encyclopedia entries) and `documents`
 (summarize / answer from those articles, translate gettext messages into English, factual
-questions: specdec.training.documents), which needs the articles first:
+questions: specdec.training.documents), which needs the articles first, and `passages`
+(summarize / answer from passages of the machine's manual pages, translate sentences of their
+German translations: text people wrote, specdec.training.documents.passage_prompts):
 
     specdec train data --set real --out data/real --count 3000 --time-budget 60
     specdec train data --out data/selfdistill --count 2000 --time-budget 60
     specdec train data --set articles --out data/articles --count 240
     specdec train data --set documents --articles data/articles --out data/documents --count 960
+    specdec train data --set passages --out data/passages --count 1200 --max-new-tokens 160
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from typing import Iterator, Optional
 from specdec.decode import plain_generate
 from specdec.errors import SpecdecError
 from specdec.models import LoadedModel, format_prompt, load_model
-from specdec.training.documents import all_foreign_sentences, article_prompts, article_specs, document_prompts
+from specdec.training.documents import (all_foreign_sentences, article_prompts, article_specs, document_prompts,
+                                        man_passages, passage_prompts, sentences)
 from specdec.training.prompts import TrainingPrompt, training_prompts
 from specdec.types import SamplingParams, StopConditions
 
@@ -78,8 +82,9 @@ def drop_repeated_paragraphs(text: str) -> str:
     return "\n\n".join(dict.fromkeys(p for p in paragraphs if p))
 
 
-def real_prompts(path: Path, seed: int, count: int) -> list[TrainingPrompt]:
-    """The first `count` of a JSONL(.gz) file's {"category", "prompt"} rows after a seeded shuffle."""
+def real_prompts(path: Path, seed: int, count: int, start: int = 0) -> list[TrainingPrompt]:
+    """`count` of a JSONL(.gz) file's {"category", "prompt"} rows after a seeded shuffle, from
+    the `start`-th (`--set real --count N` takes the first N)."""
     path = Path(path)
     if not path.is_file():
         raise SpecdecError(f"prompt file not found: {path}")
@@ -93,11 +98,33 @@ def real_prompts(path: Path, seed: int, count: int) -> list[TrainingPrompt]:
             except (ValueError, KeyError, TypeError):
                 raise SpecdecError(f"{path}:{n}: not a JSON object with 'category' and 'prompt'") from None
     random.Random(seed).shuffle(rows)
-    return rows[:count]
+    return rows[start : start + count]
+
+
+def training_kind_prompts(per_category: int, real_dir: Path = Path("data/real"), prompts_file: Path = REAL_PROMPTS,
+                          seed: int = 0, template_seed: int = 1) -> list[TrainingPrompt]:
+    """Prompts of the kinds the drafts are trained on, per category `per_category` of each:
+    real instructions that `real_dir` (made by `--set real --seed seed`) holds no answer to, the
+    ones after those it took ("real-<category>"), and prompts drawn again from the `base`
+    templates with another seed ("template-<category>"; the templates are few, so some may
+    equal a training prompt). What a draft scores on these beside the dev prompts tells how
+    much of the gap is the dev prompts' kinds (specdec.training.eagle_eval --training-kinds)."""
+    used = max((row["index"] + 1 for row in read_parts(real_dir)), default=0)
+    picked: list[TrainingPrompt] = []
+    counts: dict[str, int] = {}
+    for kind, prompts in (("real", real_prompts(prompts_file, seed, 1 << 30, start=used)),
+                          ("template", training_prompts(template_seed, 64 * per_category))):
+        for p in prompts:
+            cat = f"{kind}-{p.category}"
+            if counts.get(cat, 0) < per_category:
+                counts[cat] = counts.get(cat, 0) + 1
+                picked.append(TrainingPrompt(cat, p.text))
+    return picked
 
 
 def prompt_set(name: str, target: LoadedModel, *, seed: int, count: int,
-               articles_dir: Optional[Path] = None, prompts_file: Path = REAL_PROMPTS) -> list[TrainingPrompt]:
+               articles_dir: Optional[Path] = None, prompts_file: Path = REAL_PROMPTS,
+               man_dir: Path = Path("/usr/share/man")) -> list[TrainingPrompt]:
     if name == "real":
         return real_prompts(prompts_file, seed, count)
     if name == "base":
@@ -110,10 +137,15 @@ def prompt_set(name: str, target: LoadedModel, *, seed: int, count: int,
                                "make them with `specdec train data --set articles --out DIR` first")
         return document_prompts(seed, written_articles(articles_dir, target.tokenizer, seed), count,
                                 all_foreign_sentences())
+    if name == "passages":
+        passages = man_passages(man_dir)
+        if not passages:
+            raise SpecdecError(f"--set passages reads the manual pages under {man_dir}: none with prose found there")
+        return passage_prompts(seed, passages, count, {"de": sentences(man_passages(man_dir / "de", min_words=6))})
     raise SpecdecError(f"unknown prompt set {name!r}; use one of {', '.join(PROMPT_SETS)}")
 
 
-PROMPT_SETS = ("real", "base", "articles", "documents")
+PROMPT_SETS = ("real", "base", "articles", "documents", "passages")
 
 
 def generate(out_dir: Path, target: LoadedModel, prompts: list[TrainingPrompt], *, seed: int = 0, chunk: int = 16,
@@ -147,7 +179,7 @@ def generate(out_dir: Path, target: LoadedModel, prompts: list[TrainingPrompt], 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, default=Path("data/selfdistill"), help="output folder (parts are resumable)")
     ap.add_argument("--set", dest="prompt_set", choices=PROMPT_SETS, default="base",
-                    help="prompt set (default base; documents needs --articles)")
+                    help="prompt set (default base; documents needs --articles; passages reads /usr/share/man)")
     ap.add_argument("--articles", type=Path, default=None, help="articles folder for --set documents")
     ap.add_argument("--prompts", type=Path, default=REAL_PROMPTS,
                     help=f"JSONL(.gz) of {{category, prompt}} rows for --set real (default {REAL_PROMPTS})")

@@ -107,3 +107,120 @@ def test_the_real_prompt_set_mixes_every_source_and_is_fixed_by_its_seed(tmp_pat
     bad.write_text('{"category": "chat", "prompt": "hi"}\n{"text": "no prompt"}\n')
     with pytest.raises(SpecdecError, match=r"bad.jsonl:2"):
         real_prompts(bad, seed=0, count=2)
+
+
+def test_training_kind_prompts_are_real_ones_the_data_has_no_answer_to_and_template_ones(tmp_path):
+    import json
+
+    from specdec.training.selfdistill import real_prompts, training_kind_prompts
+
+    real = tmp_path / "real.jsonl"
+    real.write_text("".join(json.dumps({"category": c, "prompt": f"{c} question {i}"}) + "\n"
+                            for i in range(40) for c in ("math", "chat")))
+    order = real_prompts(real, seed=0, count=80)
+    data = tmp_path / "data_real"
+    data.mkdir()
+    write_part(data, 0, [{"index": i, "category": p.category, "prompt_ids": [1], "answer_ids": [2]}
+                         for i, p in enumerate(order[:50])])  # `--set real --count 50` answered these
+    picked = training_kind_prompts(3, real_dir=data, prompts_file=real)
+    answered = {p.text for p in order[:50]}
+    reals = [p for p in picked if p.category.startswith("real-")]
+    assert [p.text for p in reals if p.category == "real-math"] == \
+        [p.text for p in order[50:] if p.category == "math"][:3]
+    assert len(reals) == 6 and not answered & {p.text for p in reals}
+    templates = {p.category for p in picked if p.category.startswith("template-")}
+    assert templates == {f"template-{c}" for c in ("chat", "code", "math", "summarization", "translation", "qa", "rag")}
+    assert all(sum(p.category == c for p in picked) == 3 for c in templates)
+    # with no data yet every real prompt is unanswered: the first of the seeded order come first
+    fresh = training_kind_prompts(3, real_dir=tmp_path / "none", prompts_file=real)
+    assert [p.text for p in fresh if p.category == "real-chat"] == [p.text for p in order if p.category == "chat"][:3]
+
+
+MAN_PAGE = r""".\" Copyright line that is a comment, not text
+.TH TOOL 1 2024-01-01
+.SH NAME
+tool \- does a thing
+.SH SYNOPSIS
+\fBtool\fR [\fB\-v\fR] \fIFILE\fR...
+.SH DESCRIPTION
+\fBtool\fP reads each \fIFILE\fP and writes what it found to the standard output, one line for
+every record it could parse. It stops at the first record it cannot read.
+.PP
+The output is sorted by the record's key \(em unless
+.B \-\-keep\-order
+is given, which keeps the order of the input. M\(:usli is eaten \(lqhere\(rq.
+.nf
+tool \-v a.txt b.txt | sort | uniq \-c | head
+.fi
+.TP
+.B \-v
+verbose
+"""
+
+
+def write_page(path, text):
+    import gzip
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(text.encode()))
+
+
+def test_roff_paragraphs_keep_the_prose_and_drop_macros_comments_and_examples():
+    from specdec.training.documents import is_prose, roff_paragraphs
+
+    paras = roff_paragraphs(MAN_PAGE)
+    assert "tool reads each FILE and writes what it found to the standard output, one line for every record " \
+           "it could parse. It stops at the first record it cannot read." in paras
+    assert 'The output is sorted by the record\'s key - unless --keep-order is given, which keeps the order of ' \
+           'the input. Müsli is eaten "here".' in paras
+    assert not any("Copyright" in p or "sort | uniq" in p or "\\f" in p for p in paras)
+    prose = [p for p in paras if is_prose(p, 8)]
+    assert len(prose) == 2 and all(p.endswith(".") for p in prose)  # the synopsis and "verbose" are not prose
+
+
+def test_man_passages_and_sentences_read_gzipped_pages_one_family_at_most_three_times(tmp_path):
+    from specdec.training.documents import man_passages, sentences
+
+    write_page(tmp_path / "man1" / "tool.1.gz", MAN_PAGE)
+    for i in range(5):  # one tool's generated subcommand pages
+        write_page(tmp_path / "man1" / f"cloud_sub{i}.1.gz", MAN_PAGE.replace("tool", f"cloud_sub{i}"))
+    write_page(tmp_path / "man8" / "broken.8.gz", "not gzip")  # written gzipped: reads, no prose in it
+    (tmp_path / "man1" / "bad.1.gz").write_bytes(b"\x1f\x8b not really gzip")
+    passages = man_passages(tmp_path, min_words=10)
+    assert [name for name, _ in passages] == ["cloud_sub0", "cloud_sub1", "cloud_sub2", "tool"]
+    name, text = passages[-1]
+    assert text.startswith("tool reads each FILE") and text.endswith('Müsli is eaten "here".')
+    found = sentences(passages[-1:])
+    assert found[0] == ("tool reads each FILE and writes what it found to the standard output, one line for every "
+                        "record it could parse.")
+    assert "It stops at the first record it cannot read." in found and len(found) == len(set(found))
+
+
+def test_passage_prompts_are_the_evaluations_forms_over_the_passages_and_fixed_by_the_seed(tmp_path):
+    from specdec.training.documents import passage_prompts
+
+    passages = [("tool", "Tool reads files and writes records. It sorts them by key."),
+                ("other", "Other removes files that are older than a week.")]
+    german = {"de": ["Die Datei wurde nicht gefunden, bitte prüfen Sie den Pfad."]}
+    prompts = passage_prompts(1, passages, 9, german)
+    assert prompts == passage_prompts(1, passages, 9, german) != passage_prompts(2, passages, 9, german)
+    assert [p.category for p in prompts] == ["summarization", "rag", "translation"] * 3
+    assert all("Summarize" in p.text and any(t in p.text for _, t in passages) for p in prompts[::3])
+    for p in prompts[1::3]:
+        name, text = next((n, t) for n, t in passages if t in p.text)
+        assert p.text.startswith(text) and p.text.rstrip("?").endswith(name) or name in p.text.split("\n")[-1]
+    assert all(p.text == "Translate German to English: " + german["de"][0] for p in prompts[2::3])
+    assert [p.category for p in passage_prompts(0, passages, 4, {})] == ["summarization", "rag"] * 2
+    assert passage_prompts(0, [], 4, {}) == []
+
+
+def test_the_passages_set_reads_the_manual_pages_and_says_when_there_are_none(tmp_path):
+    write_page(tmp_path / "man1" / "tool.1.gz", MAN_PAGE)
+    write_page(tmp_path / "de" / "man1" / "tool.1.gz", ".SH BESCHREIBUNG\nDas Werkzeug liest jede Datei und "
+               "schreibt, was es gefunden hat, auf die Standardausgabe.\n")
+    prompts = prompt_set("passages", None, seed=0, count=6, man_dir=tmp_path)
+    assert {p.category for p in prompts} == {"summarization", "rag", "translation"}
+    assert any(p.text == "Translate German to English: Das Werkzeug liest jede Datei und schreibt, was es gefunden "
+                         "hat, auf die Standardausgabe." for p in prompts)
+    with pytest.raises(SpecdecError, match="manual pages under"):
+        prompt_set("passages", None, seed=0, count=6, man_dir=tmp_path / "none")
