@@ -104,7 +104,7 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
-EAGLE_DATA = (Path("data/real"), Path("data/selfdistill"), Path("data/documents"))
+EAGLE_DATA = (Path("data/real"), Path("data/selfdistill"), Path("data/documents"), Path("data/passages"))
 
 
 def add_train_eagle(tsub: argparse._SubParsersAction) -> None:

@@ -139,26 +139,40 @@ def document_prompts(seed: int, articles: Sequence[tuple[str, str]], count: int,
     """Stage 2 over (article text, question) pairs and {language: sentences}: summarization, rag,
     translation and qa prompts in turn (a category without material is skipped)."""
     rng = random.Random(seed)
-    langs = [lang for lang in LANGUAGE_WEIGHTS if sentences.get(lang)]
     makers = {}
     if articles:
-        makers["summarization"] = lambda a: rng.choice(["Summarize: {t}", "Summarize the following article.\n\n{t}",
-                                                        "{t}\n\nSummarize the article above in a few sentences."]
-                                                       ).format(t=a[0])
-        makers["rag"] = lambda a: rng.choice(["{t}\n{q}", "{t}\n\nAnswer using the text above: {q}"]
-                                             ).format(t=a[0], q=a[1])
+        _add_reading(makers, rng, "article", lambda a: a[0], lambda a: a[1])
+    _add_translation(makers, rng, sentences)
+    makers["qa"] = lambda _: rng.choice(FACT_QUESTIONS).format(**_slots(rng))
+    return _in_turn(makers, count, lambda i: articles[(i // len(makers)) % len(articles)] if articles else None)
+
+
+def _add_reading(makers: dict, rng: random.Random, noun: str, text, question) -> None:
+    """makers["summarization"] and makers["rag"] over material m: text(m) to summarize, or to
+    answer question(m) from."""
+    makers["summarization"] = lambda m: rng.choice(["Summarize: {t}", f"Summarize the following {noun}.\n\n{{t}}",
+                                                    f"{{t}}\n\nSummarize the {noun} above in a few sentences."]
+                                                   ).format(t=text(m))
+    makers["rag"] = lambda m: rng.choice(["{t}\n{q}", "{t}\n\nAnswer using the text above: {q}"]
+                                         ).format(t=text(m), q=question(m))
+
+
+def _add_translation(makers: dict, rng: random.Random, sentences: dict[str, list[str]]) -> None:
+    """makers["translation"]: "Translate <language> to English: <sentence>", the languages by
+    LANGUAGE_WEIGHTS among those with sentences (none: no translation prompts)."""
+    langs = [lang for lang in LANGUAGE_WEIGHTS if sentences.get(lang)]
     if langs:
         def translate(_):
             lang = rng.choices(langs, weights=[LANGUAGE_WEIGHTS[x] for x in langs])[0]
             return f"Translate {LANGUAGES[lang]} to English: {rng.choice(sentences[lang])}"
         makers["translation"] = translate
-    makers["qa"] = lambda _: rng.choice(FACT_QUESTIONS).format(**_slots(rng))
+
+
+def _in_turn(makers: dict, count: int, material) -> list[TrainingPrompt]:
+    """`count` prompts, the makers' categories in turn, the i-th made from material(i)."""
     cats = list(makers)
-    out = []
-    for i in range(count):
-        cat = cats[i % len(cats)]
-        out.append(TrainingPrompt(cat, makers[cat](articles[(i // len(cats)) % len(articles)] if articles else None)))
-    return out
+    return [TrainingPrompt(cats[i % len(cats)], makers[cats[i % len(cats)]](material(i)))
+            for i in range(count if cats else 0)]
 
 
 def all_foreign_sentences(langs: Iterable[str] = LANGUAGES) -> dict[str, list[str]]:
@@ -301,22 +315,8 @@ def passage_prompts(seed: int, passages: Sequence[tuple[str, str]], count: int,
     rng = random.Random(seed)
     order = list(range(len(passages)))
     rng.shuffle(order)
-    langs = [lang for lang in LANGUAGE_WEIGHTS if foreign.get(lang)]
     makers = {}
     if passages:
-        makers["summarization"] = lambda p: rng.choice(["Summarize: {t}", "Summarize the following text.\n\n{t}",
-                                                        "{t}\n\nSummarize the text above in a few sentences."]
-                                                       ).format(t=p[1])
-        makers["rag"] = lambda p: rng.choice(["{t}\n{q}", "{t}\n\nAnswer using the text above: {q}"]
-                                             ).format(t=p[1], q=rng.choice(PASSAGE_QUESTIONS).format(name=p[0]))
-    if langs:
-        def translate(_):
-            lang = rng.choices(langs, weights=[LANGUAGE_WEIGHTS[x] for x in langs])[0]
-            return f"Translate {LANGUAGES[lang]} to English: {rng.choice(foreign[lang])}"
-        makers["translation"] = translate
-    cats = list(makers)
-    out = []
-    for i in range(count if cats else 0):
-        cat = cats[i % len(cats)]
-        out.append(TrainingPrompt(cat, makers[cat](passages[order[i % len(order)]] if passages else None)))
-    return out
+        _add_reading(makers, rng, "text", lambda p: p[1], lambda p: rng.choice(PASSAGE_QUESTIONS).format(name=p[0]))
+    _add_translation(makers, rng, foreign)
+    return _in_turn(makers, count, lambda i: passages[order[i % len(order)]] if passages else None)
