@@ -19,6 +19,7 @@ the evaluation set.
 
 from __future__ import annotations
 
+import gzip
 import random
 import re
 import struct
@@ -185,15 +186,16 @@ def all_foreign_sentences(langs: Iterable[str] = LANGUAGES) -> dict[str, list[st
 # copies from. The manual pages (/usr/share/man: English, and the German translations) are such
 # text on every Debian-like machine; the prompts are built from them by `passage_prompts`.
 
+_ROFF_LETTERS = {":a": "ä", ":o": "ö", ":u": "ü", ":A": "Ä", ":O": "Ö", ":U": "Ü", "ss": "ß"}
 _ROFF_ESCAPES = [(re.compile(r"\\f(\[[^\]]*\]|\(..|.)"), ""), (re.compile(r"\\s[+-]?\d+"), ""),
                  (re.compile(r"\\\*\((lq|rq)"), '"'), (re.compile(r"\\\((lq|rq|dq)"), '"'),
                  (re.compile(r"\\(?:\(|\[)(:[aouAOU]|ss)\]?"), lambda m: _ROFF_LETTERS[m.group(1)]),
                  (re.compile(r"\\\((em|en)"), "-"), (re.compile(r"\\\(aq"), "'"), (re.compile(r"\\\(..|\\\[[^\]]*\]"), ""),
                  (re.compile(r"\\[-]"), "-"), (re.compile(r"\\[&|^,/%:]"), ""), (re.compile(r"\\e"), ""),
                  (re.compile(r"\\ "), " ")]
-_ROFF_LETTERS = {":a": "ä", ":o": "ö", ":u": "ü", ":A": "Ä", ":O": "Ö", ":U": "Ü", "ss": "ß"}
 _PARAGRAPH_BREAKS = re.compile(r"^[.'](PP|LP|P|SH|SS|TP|IP|HP|sp|br|RS|RE|nf|fi|EX|EE|TH|in|ti)\b")
 _WORD = re.compile(r"[^\W\d_]{2,}")
+_SENTENCE_END = re.compile(r"(?<=[a-zäöüß0-9)][.!?])\s+(?=[A-ZÄÖÜ])")
 
 
 def _unescape(line: str) -> str:
@@ -215,7 +217,7 @@ def roff_paragraphs(source: str) -> list[str]:
         lines.clear()
 
     for raw in source.splitlines():
-        if raw.startswith((".\\\"", "'\\\"", '.\\"')) or raw.startswith("\\\""):
+        if raw.startswith(('.\\"', "'\\\"", '\\"')):  # comments
             continue
         if raw.startswith((".nf", ".EX", ".TS")):
             nofill = True
@@ -261,27 +263,28 @@ def man_pages(man_dir: Path, sections: str = "1578", per_family: int = 3) -> lis
     return pages
 
 
-def man_passages(man_dir: Path = Path("/usr/share/man"), *, min_words: int = 25, max_words: int = 220,
-                 limit: int = 20000) -> list[tuple[str, str]]:
+def man_passages(man_dir: Path = Path("/usr/share/man"), *, min_words: int = 25,
+                 max_words: int = 220) -> list[tuple[str, str]]:
     """(page name, passage) over the manual pages under `man_dir` (a language's folder, e.g.
     /usr/share/man/de, for its translations): consecutive prose paragraphs of one page joined up to
-    `max_words`, passages under `min_words` dropped; sorted by page, at most `limit` pages read."""
-    import gzip
-
+    `max_words`, passages under `min_words` dropped; sorted by page."""
     out = []
-    for page in man_pages(man_dir)[:limit]:
+    for page in man_pages(man_dir):
         try:
             source = gzip.decompress(page.read_bytes()).decode("utf-8")
         except (OSError, UnicodeDecodeError, EOFError):
             continue
         name = page.name.split(".")[0]
         block: list[str] = []
+        words = 0  # in block
         for para in (p for p in roff_paragraphs(source) if is_prose(p, 8)):
-            if block and len(" ".join(block + [para]).split()) > max_words:
+            n = len(para.split())
+            if block and words + n > max_words:
                 out.append((name, " ".join(block)))
-                block = []
-            if len(para.split()) <= max_words:
+                block, words = [], 0
+            if n <= max_words:
                 block.append(para)
+                words += n
         if block:
             out.append((name, " ".join(block)))
     # a passage that starts inside a sentence (after an option's name, say) starts at its next one
@@ -289,8 +292,6 @@ def man_passages(man_dir: Path = Path("/usr/share/man"), *, min_words: int = 25,
            for n, t in out]
     return [(n, t) for n, t in out if len(t.split()) >= min_words]
 
-
-_SENTENCE_END = re.compile(r"(?<=[a-zäöüß0-9)][.!?])\s+(?=[A-ZÄÖÜ])")
 
 
 def sentences(passages: Iterable[tuple[str, str]], min_chars: int = 40, max_chars: int = 240) -> list[str]:
