@@ -17,7 +17,7 @@ import torch
 
 from specdec.costmodel import best_k
 from specdec.errors import InvalidRequest
-from specdec.backends.hf import CausalLM
+from specdec.backends.hf import CausalLM, ForwardOutput, feature_rows, tap_request
 from specdec.prefix_cache import PrefixCache, remember, restore_longest
 from specdec.proposers.base import Proposer
 from specdec.sampling import draft_seed, make_generator, next_token
@@ -179,27 +179,31 @@ def _drop_finished(cache, active: list[int], rows: Sequence[RowProgress], t0: fl
     return [active[i] for i in alive]
 
 
-def _prompt_states(hidden: Optional[torch.Tensor], lens: Sequence[int], want_hidden: bool,
+def _prompt_states(first: ForwardOutput, lens: Sequence[int], want_hidden: bool,
                    want_features: bool) -> tuple[list, list[list[torch.Tensor]]]:
     """A prefill's hidden states ([batch, hidden] at each row's last token, or [batch, width,
-    hidden] at every position with want_features) -> per row: the state behind its last token
-    (None unless want_hidden), and its prompt positions' states ([[len, hidden]]; [] unless
-    want_features)."""
+    hidden] at every position with want_features, with its taps where asked) -> per row: the
+    state behind its last token (None unless want_hidden), and its prompt positions' states
+    ([[len, hidden (+ taps)]]: feature_rows; [] unless want_features)."""
+    hidden = first.hidden
     if not want_features:
         return (list(hidden) if want_hidden else [None] * len(lens)), [[] for _ in lens]
     last = [hidden[b, n - 1] for b, n in enumerate(lens)] if want_hidden else [None] * len(lens)
-    return last, [[hidden[b, :n]] for b, n in enumerate(lens)]
+    states = feature_rows(first)
+    return last, [[states[b, :n]] for b, n in enumerate(lens)]
 
 
 def _prefill(target: CausalLM, prompts: Sequence[Sequence[int]], prefix_cache: Optional[PrefixCache],
-             want_hidden: bool = False, all_hidden: bool = False):
+             want_hidden: bool = False, all_hidden: bool = False, tap_layers: Sequence[int] = ()):
     """A new cache with the prompts in it -> (cache, the prefill's ForwardOutput). One prompt
     with a prefix cache: starts from the longest cached prefix of the prompt (all but its last
     token at most) and prefills the rest, then keeps the prompt's KV there (a shared system
-    prompt, a conversation's next turn). Not with all_hidden: a restored prefix has no features."""
+    prompt, a conversation's next turn). Not with all_hidden: a restored prefix has no features.
+    tap_layers (with all_hidden): the residuals after those layers too (ForwardOutput.taps)."""
     if prefix_cache is None or len(prompts) != 1 or all_hidden:
         cache = target.new_cache(len(prompts))
-        return cache, target.prefill(cache, [list(p) for p in prompts], want_hidden=want_hidden, all_hidden=all_hidden)
+        return cache, target.prefill(cache, [list(p) for p in prompts], want_hidden=want_hidden, all_hidden=all_hidden,
+                                     **tap_request(tap_layers if all_hidden else ()))
     prompt = list(prompts[0])
     n, cache = restore_longest(prefix_cache, target, prompt, at_most=len(prompt) - 1)
     cache = cache if cache is not None else target.new_cache(1)
@@ -281,9 +285,10 @@ def speculative_generate(
     draft_gens = _row_generators(draft_seed(sampling.seed), len(prompts))
     want_hidden = proposer.needs_hidden
     want_features = getattr(proposer, "needs_features", False)  # a proposer need not subclass Proposer
+    tap_layers = getattr(proposer, "tap_layers", ())  # the target layers whose residuals it reads beside the features
     # 0. prefill: a target forward that emits one token, exactly as in plain decoding.
-    cache, first = _prefill(target, prompts, prefix_cache, want_hidden, all_hidden=want_features)
-    hidden, features = _prompt_states(first.hidden, [len(p) for p in prompts], want_hidden, want_features)
+    cache, first = _prefill(target, prompts, prefix_cache, want_hidden, all_hidden=want_features, tap_layers=tap_layers)
+    hidden, features = _prompt_states(first, [len(p) for p in prompts], want_hidden, want_features)
     for b, row_logits in enumerate(first.logits):
         _record_token(rows, b, next_token(row_logits, sampling, target_gens[b]), on_emit)
     active = _drop_finished(cache, list(range(len(prompts))), rows, t0)
@@ -304,7 +309,7 @@ def speculative_generate(
         # 2. score, 3. accept, 4. commit / roll back: one target forward for every row.
         steps = [RowStep(rows[b].last_token, prop, sampling, target_gens[b], row_id=b)
                  for b, prop in zip(active, proposals)]
-        outcomes = verify_step(target, cache, steps, want_hidden, want_features)
+        outcomes = verify_step(target, cache, steps, want_hidden, want_features, tap_layers)
         for out in outcomes:
             b = out.verdict.row_id
             _record(rows, out.verdict, on_emit)

@@ -19,6 +19,16 @@ predicted 8% of the answer's tokens (teacher-forced, depth 1), prompt lookup's c
 2 tokens a step. A draft without it widens to one with it unchanged (`widen_fc`: the new
 columns start at zero), so training goes on from its weights.
 
+A draft made with `tap_layers` (EAGLE-3's fusion of low, middle and high layers) reads the
+target's residual stream after those decoder layers too, each RMS-normalized without weights
+(their scales differ by orders of magnitude): x_i = fc(concat[f_i ; embed(t_{i+1}) (; embed(t_i))
+; r_i^(a) ; r_i^(b) ...]). The last layer's feature says what comes next; the earlier layers keep
+more of the context it was computed from, which the feature after the final norm is tuned away
+from. A drafted pair has no residuals (the target has not run there): it reads zeros, as
+training's unrolled steps do. Only a target that returns them (`returns_taps`: the fast backend;
+not llama.cpp) can run such a draft. `widen_fc` adds their columns at zero to a draft without
+them, so training starts from what that draft computes.
+
 The decoder layer is transformers' own `LlamaDecoderLayer` (and `LlamaRotaryEmbedding`), built
 from the target's config with one layer: training runs it. Drafting (`extend`, `logits`) runs the
 same weights through the fast backend's compact layer (specdec.backends.fast.decoder_layer: fused
@@ -50,7 +60,7 @@ An EAGLE directory holds:
 - config.json        the draft layer's transformers config (the target's, one layer)
 - eagle.safetensors  fc + the decoder layer (no embeddings, no output layer: the target's)
 - eagle_vocab.json   {"target": name, "vocab_size": V, "hidden_size": H, "token_ids": [...], "previous_token",
-                     "context_vocab", recipe...}
+                     "context_vocab", "tap_layers", recipe...}
 
 Loading attaches the target's (frozen) input embeddings and the subset's rows of its output
 layer, and refuses a directory made for another target (IncompatibleModels).
@@ -66,7 +76,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +88,7 @@ from specdec.backends.hf import attention_inputs, scatter_subset_logits
 
 SHIPPED_EAGLE = Path(__file__).parent / "assets" / "eagle"
 CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "eagle.safetensors", "eagle_vocab.json"
+TAP_NORM_EPS = 1e-6
 
 
 def eagle_config(target_config):
@@ -126,7 +137,8 @@ class EagleDraft(torch.nn.Module):
 
     def __init__(self, config, embed: torch.Tensor, head: torch.Tensor, token_ids: torch.Tensor,
                  drafting_dtype: Optional[torch.dtype] = None, previous_token: bool = False,
-                 output: Optional[torch.Tensor] = None, context_vocab: bool = False):
+                 output: Optional[torch.Tensor] = None, context_vocab: bool = False,
+                 tap_layers: Sequence[int] = ()):
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
         super().__init__()
@@ -137,7 +149,8 @@ class EagleDraft(torch.nn.Module):
         self.config = config
         self.vocab_size = int(embed.shape[0])
         self.previous_token = previous_token  # pairs read the token before theirs too
-        self.fc = torch.nn.Linear((3 if previous_token else 2) * hidden, hidden, bias=True)
+        self.tap_layers = tuple(int(i) for i in tap_layers)  # pairs read these target layers' residuals too
+        self.fc = torch.nn.Linear(fc_inputs(previous_token, len(self.tap_layers)) * hidden, hidden, bias=True)
         self.layer = LlamaDecoderLayer(config, layer_idx=0)
         self.rotary = LlamaRotaryEmbedding(config)
         self.register_buffer("embed", embed.detach(), persistent=False)  # [vocab, H]
@@ -176,13 +189,34 @@ class EagleDraft(torch.nn.Module):
             parts.append(F.embedding(previous_ids.to(self.embed.device), self.embed))
         return parts
 
+    def tap_inputs(self, features: torch.Tensor, taps: Optional[torch.Tensor]) -> list[torch.Tensor]:
+        """What a tap_layers draft reads of the target's residuals at each pair: each layer's
+        [B, q, H] chunk of taps [B, q, n * H] RMS-normalized (no weights: the layers' scales
+        differ by orders of magnitude); zeros where taps is None (drafted pairs, whose residuals
+        the target has not computed)."""
+        if not self.tap_layers:
+            return []
+        hidden = features.shape[-1]
+        if taps is None:
+            return [features.new_zeros(*features.shape[:-1], hidden * len(self.tap_layers)).to(self.dtype)]
+        chunks = taps.to(self.device, self.dtype).split(hidden, dim=-1)
+        return [F.rms_norm(c, (hidden,), eps=TAP_NORM_EPS) for c in chunks]
+
+    def pair_inputs(self, features: torch.Tensor, input_ids: torch.Tensor, previous_ids: Optional[torch.Tensor],
+                    taps: Optional[torch.Tensor]) -> torch.Tensor:
+        """fc's input at each pair: [f_i ; embed(t_{i+1}) (; embed(t_i)) (; taps)]."""
+        return torch.cat([features.to(self.device, self.dtype), *self.token_inputs(input_ids, previous_ids),
+                          *self.tap_inputs(features, taps)], dim=-1)
+
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
-                positions: torch.Tensor, cache=None, previous_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                positions: torch.Tensor, cache=None, previous_ids: Optional[torch.Tensor] = None,
+                taps: Optional[torch.Tensor] = None) -> torch.Tensor:
         """features [B, q, H] (f_i), input_ids [B, q] (t_{i+1}), mask [B, 1, q, kv] additive (kv:
         the cache's slots + q), positions [B, q] (i); cache: a transformers Cache the layer's keys
         and values are appended to (None: q is all there is); previous_ids [B, q] (t_i; a
-        previous_token draft's) -> predicted features [B, q, H]."""
-        x = self.fc(torch.cat([features.to(self.dtype), *self.token_inputs(input_ids, previous_ids)], dim=-1))
+        previous_token draft's); taps [B, q, n * H] (a tap_layers draft's; None: unknown)
+        -> predicted features [B, q, H]."""
+        x = self.fc(self.pair_inputs(features, input_ids, previous_ids, taps))
         cos_sin = self.rotary(x, positions)
         return self.layer(x, attention_mask=mask, position_ids=positions, cache=cache,
                           use_cache=cache is not None, position_embeddings=cos_sin)
@@ -269,7 +303,7 @@ class EagleDraft(torch.nn.Module):
     def extend(self, cache: FastKVCache, features: torch.Tensor, input_ids: torch.Tensor,
                input_valid: Optional[torch.Tensor] = None, previous_ids: Optional[torch.Tensor] = None,
                sees: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
-               block_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+               block_mask: Optional[torch.Tensor] = None, taps: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Append q pairs per row to the cache (causal among themselves, after each row's valid
         slots; input_valid [B, q] False for right padding, whose slots stay invalid):
         features [B, q, H], input_ids [B, q] (previous_ids [B, q] too for a previous_token
@@ -286,8 +320,7 @@ class EagleDraft(torch.nn.Module):
         positions = default_positions if positions is None else positions.to(self.device)
         mask = mask.repeat(1, 1, self.shape.num_heads // self.shape.kv_heads, 1)  # query heads folded per K/V head
         cos, sin = w.rope(positions)
-        x = torch.cat([features.to(self.device, self.dtype), *self.token_inputs(input_ids, previous_ids)], dim=-1)
-        x = linear_rows(x, w.fc_weight) + w.fc_bias  # [B, q, H]
+        x = linear_rows(self.pair_inputs(features, input_ids, previous_ids, taps), w.fc_weight) + w.fc_bias  # [B, q, H]
         store = cache.hf
         store.reserve(q)
         out = decoder_layer(x, w.layer, self.shape, store, 0, cos[:, None], sin[:, None], mask)
@@ -297,13 +330,13 @@ class EagleDraft(torch.nn.Module):
 
 
 def build_eagle(target, token_ids: torch.Tensor, previous_token: bool = False,
-                context_vocab: bool = False) -> EagleDraft:
+                context_vocab: bool = False, tap_layers: Sequence[int] = ()) -> EagleDraft:
     """A fresh (untrained) draft for `target` (a CausalLM with a transformers config), drafting
     token_ids [subset], in the target's dtype and on its device."""
     embed, out = target.embedding_tables()
     draft = EagleDraft(eagle_config(target.config), embed, out.detach()[token_ids.to(out.device)], token_ids,
                        previous_token=previous_token, output=out if context_vocab else None,
-                       context_vocab=context_vocab)
+                       context_vocab=context_vocab, tap_layers=tap_layers)
     return draft.to(device=embed.device, dtype=embed.dtype).eval()
 
 
@@ -318,19 +351,27 @@ def save_eagle(out: Path, draft: EagleDraft, meta: dict, dtype: torch.dtype = to
     tmp.replace(out / WEIGHTS_FILE)
     info = dict(meta, vocab_size=draft.vocab_size, hidden_size=int(draft.config.hidden_size),
                 previous_token=draft.previous_token, context_vocab=draft.context_vocab,
+                tap_layers=list(draft.tap_layers),
                 token_ids=[int(t) for t in draft.token_ids.tolist()])
     tmp = out / (VOCAB_FILE + ".tmp")
     tmp.write_text(json.dumps(info))
     tmp.replace(out / VOCAB_FILE)
 
 
-def widen_fc(weights: dict[str, torch.Tensor], hidden: int) -> dict[str, torch.Tensor]:
-    """The weights of a draft without previous_token -> those of one with it that computes the
-    same (fc's columns for the previous token's embedding are zero)."""
+def fc_inputs(previous_token: bool, taps: int) -> int:
+    """How many H-wide inputs fc reads: the feature, the next token, the previous one, the taps."""
+    return 2 + int(previous_token) + taps
+
+
+def widen_fc(weights: dict[str, torch.Tensor], hidden: int, inputs: int = 2, to: int = 3) -> dict[str, torch.Tensor]:
+    """The weights of a draft whose fc reads `inputs` H-wide inputs -> those of one reading `to`
+    (fc_inputs) that computes the same: the new inputs' columns, last, are zero. The default
+    widens a draft without previous_token to one with it."""
     fc = weights["fc.weight"]
-    if fc.shape[1] != 2 * hidden:
-        raise ValueError(f"fc.weight is {tuple(fc.shape)}, not a [{hidden}, {2 * hidden}] draft without previous_token")
-    return {**weights, "fc.weight": torch.cat([fc, fc.new_zeros(hidden, hidden)], dim=1)}
+    if fc.shape[1] != inputs * hidden or to < inputs:
+        raise ValueError(f"fc.weight is {tuple(fc.shape)}, not a [{hidden}, {inputs * hidden}] draft to widen to "
+                         f"{to} inputs")
+    return {**weights, "fc.weight": torch.cat([fc, fc.new_zeros(hidden, (to - inputs) * hidden)], dim=1)}
 
 
 def is_eagle_dir(path: Path) -> bool:
@@ -371,7 +412,8 @@ def load_eagle(path: Path, target, target_name: Optional[str] = None,
     draft = EagleDraft(eagle_config(config), embed, out.detach()[token_ids.to(out.device)], token_ids,
                        drafting_dtype=drafting_dtype or DRAFTING_DTYPE.get(embed.dtype),
                        previous_token=bool(info.get("previous_token", False)),
-                       output=out if context_vocab else None, context_vocab=context_vocab)
+                       output=out if context_vocab else None, context_vocab=context_vocab,
+                       tap_layers=info.get("tap_layers", ()))
     state = load_file(str(path / WEIGHTS_FILE))
     missing, unexpected = draft.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -23,7 +23,7 @@ import torch
 from specdec.acceptance import greedy_accept, rejection_sample, tree_rejection_sample, typical_accept
 from specdec.backends.kv_cache import KVCache
 from specdec.backends.kv_stack import split_cache, stack_caches
-from specdec.backends.hf import CausalLM
+from specdec.backends.hf import CausalLM, feature_rows, tap_request
 from specdec.sampling import logits_to_probs, next_token
 from specdec.tree import block_mask, chain_parents, depths, greedy_walk
 from specdec.types import Proposal, SamplingParams, Verdict
@@ -115,16 +115,20 @@ def _verdict(row: RowStep, path: Sequence[int], nxt: int, logits: torch.Tensor) 
 
 
 def verify_step(target: CausalLM, cache: KVCache, rows: Sequence[RowStep],
-                want_hidden: bool = False, want_features: bool = False) -> list[StepOutcome]:
+                want_hidden: bool = False, want_features: bool = False,
+                tap_layers: Sequence[int] = ()) -> list[StepOutcome]:
     """Score every row's block in one forward over `cache` (row i of the cache is rows[i]),
     accept, and keep each row's root and accepted path in the cache. want_hidden / want_features:
     each outcome also carries the target's state behind the last emitted token / the states of
-    the positions kept."""
+    the positions kept (feature_rows: with the residuals after tap_layers, on a target that
+    returns_taps)."""
     if all(not r.proposal.token_ids and r.proposal.aux is None for r in rows):
-        return _plain_step(target, cache, rows, want_hidden, want_features)
+        return _plain_step(target, cache, rows, want_hidden, want_features, tap_layers)
     # 2. score: one target forward over every row's [root] + drafted nodes (+ aux inputs).
     ids, mask, depth, valid = pack_blocks([verify_block(r.proposal, r.root) for r in rows])
-    out = target.forward(cache, ids, mask, depth, valid, want_hidden=want_hidden or want_features)
+    out = target.forward(cache, ids, mask, depth, valid, want_hidden=want_hidden or want_features,
+                         **tap_request(tap_layers if want_features else ()))
+    states = feature_rows(out) if want_features else None
     logits = out.logits  # [rows, q, vocab]
     # 3. accept, 4. commit: keep the root and the accepted path in the cache, drop the rest.
     keep = torch.zeros_like(valid)  # [rows, q]
@@ -135,14 +139,14 @@ def verify_step(target: CausalLM, cache: KVCache, rows: Sequence[RowStep],
         kept = [0] + [p + 1 for p in path]  # block columns of the root and the accepted path
         keep[i, kept] = True
         hidden = out.hidden[i, kept[-1]] if want_hidden else None
-        features = out.hidden[i, kept] if want_features else None  # [1 + accepted, hidden]
+        features = states[i, kept] if want_features else None  # [1 + accepted, hidden (+ taps)]
         outcomes.append(StepOutcome(_verdict(row, path, nxt, logits[i]), hidden, features))
     cache.keep_last(keep)
     return outcomes
 
 
 def _plain_step(target: CausalLM, cache: KVCache, rows: Sequence[RowStep], want_hidden: bool,
-                want_features: bool) -> list[StepOutcome]:
+                want_features: bool, tap_layers: Sequence[int] = ()) -> list[StepOutcome]:
     """verify_step when no row drafted anything: one token per row, fed as a plain decoding step
     (no block mask or depths to build), its next token as the acceptance rule would pick it."""
     greedy_step = greedy_stepper(target, rows[0].sampling, len(rows), want_hidden or want_features)
@@ -151,13 +155,15 @@ def _plain_step(target: CausalLM, cache: KVCache, rows: Sequence[RowStep], want_
         return [StepOutcome(Verdict(row_id=row.row_id, num_drafted=0, num_accepted=0,
                                     emitted=(greedy_step(cache, row.root),)), None, None)]
     ids = torch.tensor([[r.root] for r in rows], dtype=torch.long)  # [rows, 1]
-    out = target.forward(cache, ids, want_hidden=want_hidden or want_features)
+    out = target.forward(cache, ids, want_hidden=want_hidden or want_features,
+                         **tap_request(tap_layers if want_features else ()))
+    states = feature_rows(out) if want_features else None
     outcomes = []
     for i, row in enumerate(rows):
         nxt = next_token(out.logits[i, 0], row.sampling, row.generator)
         verdict = Verdict(row_id=row.row_id, num_drafted=0, num_accepted=0, emitted=(nxt,))
         outcomes.append(StepOutcome(verdict, out.hidden[i, 0] if want_hidden else None,
-                                    out.hidden[i, :1] if want_features else None))
+                                    states[i, :1] if want_features else None))
     cache.keep_last(torch.ones(len(rows), 1, dtype=torch.bool))
     return outcomes
 
@@ -172,24 +178,25 @@ def greedy_stepper(target: CausalLM, sampling: SamplingParams, rows: int, want_s
 
 
 def verify_sessions(target: CausalLM, caches: Sequence[KVCache], rows: Sequence[RowStep],
-                    want_hidden: bool = False, want_features: bool = False
+                    want_hidden: bool = False, want_features: bool = False, tap_layers: Sequence[int] = ()
                     ) -> tuple[list[StepOutcome], list[KVCache]]:
     """verify_step for independent sessions, each with its own batch-1 cache (caches[i] for
     rows[i]), batched into one forward (on a target whose caches cannot be stacked, `stacks_caches`
     false, each session's step runs on its own cache, as the target's `run_each` spreads them).
     -> (outcomes, each session's cache after the step: the given one, updated in place, when
-    alone; a new one when the caches had to be stacked). want_hidden / want_features: as verify_step."""
+    alone; a new one when the caches had to be stacked). want_hidden / want_features / tap_layers: as
+    verify_step."""
     if len(caches) == 1:
-        return verify_step(target, caches[0], rows, want_hidden, want_features), list(caches)
+        return verify_step(target, caches[0], rows, want_hidden, want_features, tap_layers), list(caches)
     if not target.stacks_caches:  # llama.cpp: each session's own context, see run_each
-        return _verify_side_by_side(target, caches, rows, want_hidden, want_features), list(caches)
+        return _verify_side_by_side(target, caches, rows, want_hidden, want_features, tap_layers), list(caches)
     stacked = stack_caches(caches, target.new_cache)
-    outcomes = verify_step(target, stacked, rows, want_hidden, want_features)
+    outcomes = verify_step(target, stacked, rows, want_hidden, want_features, tap_layers)
     return outcomes, split_cache(stacked, target.new_cache)
 
 
 def _verify_side_by_side(target: CausalLM, caches: Sequence[KVCache], rows: Sequence[RowStep],
-                         want_hidden: bool, want_features: bool) -> list[StepOutcome]:
+                         want_hidden: bool, want_features: bool, tap_layers: Sequence[int] = ()) -> list[StepOutcome]:
     """verify_sessions on a target whose caches are not stacked (llama.cpp): the one-token steps
     of sessions on one of its shared contexts joined into one forward a context (`join_caches`),
     those groups and every other session's step on its own cache side by side (`run_each`)."""
@@ -200,7 +207,7 @@ def _verify_side_by_side(target: CausalLM, caches: Sequence[KVCache], rows: Sequ
     groups += [(caches[i], [i]) for i in range(len(rows)) if i not in grouped]
 
     def step(cache: KVCache, idx: list[int]) -> list[StepOutcome]:
-        out = verify_step(target, cache, [rows[i] for i in idx], want_hidden, want_features)
+        out = verify_step(target, cache, [rows[i] for i in idx], want_hidden, want_features, tap_layers)
         if len(idx) > 1:
             cache.split()  # (a joined view: each session's cache takes its row back)
         return out

@@ -25,7 +25,7 @@ import torch
 from specdec.costmodel import CostStore
 from specdec.decode import KSchedule, RowProgress
 from specdec.errors import FailedPrecondition, InvalidRequest, NotFound
-from specdec.backends.hf import CausalLM
+from specdec.backends.hf import CausalLM, feature_rows, tap_request
 from specdec.prefix_cache import PrefixCache, remember, restore_longest
 from specdec.token_history import MAX_DRAFT, HistoryProposer, MatchAcceptance, TokenHistory, drafts_for
 from specdec.service.memory import IdleTrim
@@ -321,7 +321,8 @@ class TargetCore:
         want_hidden = any(steps[i].proposer is not None and steps[i].proposer.needs_hidden for i, _ in ready)
         want_features = any(sess.features is not None for sess in sessions)  # (set by _row_step for EAGLE)
         outcomes, caches = verify_sessions(self.target, [s.cache for s in sessions], [r for _, r in ready],
-                                           want_hidden=want_hidden, want_features=want_features)
+                                           want_hidden=want_hidden, want_features=want_features,
+                                           tap_layers=self._tap_layers(steps[i] for i, _ in ready))
         for (i, _), sess, out, cache in zip(ready, sessions, outcomes, caches):
             v = out.verdict
             sess.cache, sess.hidden = cache, out.hidden
@@ -365,7 +366,7 @@ class TargetCore:
         if not reads_features:
             sess.features = None  # this step computes no features: a later EAGLE Decode reads the session again
         elif sess.features is None:
-            self._read_features(sess)
+            self._read_features(sess, self._tap_layers([st]))
         # A proposer that reads the target's hidden state waits for one plain step when it is unknown;
         # one that reads features, when the session holds no position before its last token yet.
         if (st.proposer is not None and st.proposer_k > 0 and not (st.proposer.needs_hidden and sess.hidden is None)
@@ -380,15 +381,25 @@ class TargetCore:
         generator = make_generator(step_seed(st.sampling.seed, len(sess.tokens)))
         return RowStep(sess.tokens[-1], proposal, st.sampling, generator, row_id=SESSION_ROW)
 
-    def _read_features(self, sess: TargetSession) -> None:
+    @staticmethod
+    def _tap_layers(steps) -> tuple[int, ...]:
+        """The target layers whose residuals the feature rows of these steps carry beside the
+        features: those the first of their proposers that reads any asks for (one EAGLE draft a
+        service; a draft without taps reads the features' columns only)."""
+        return next((tuple(st.proposer.tap_layers) for st in steps
+                     if st.proposer is not None and getattr(st.proposer, "tap_layers", ())), ())
+
+    def _read_features(self, sess: TargetSession, tap_layers: Sequence[int] = ()) -> None:
         """Prefill the session's committed tokens (all but the last) again, keeping the target's
-        state at every position: what a feature-reading proposer (EAGLE) needs from position 0,
-        when the session got here without them (its prefill, a Verify, another method). Its
-        cache is rebuilt from scratch (a prefix-cache hit carries no states)."""
+        state at every position (with the residuals after tap_layers): what a feature-reading
+        proposer (EAGLE) needs from position 0, when the session got here without them (its
+        prefill, a Verify, another method). Its cache is rebuilt from scratch (a prefix-cache
+        hit carries no states)."""
         sess.cache, sess.features, n = self.target.new_cache(1), [], len(sess.tokens) - 1
         sess.last_logits = None
         if n:
-            sess.features.append(self.target.prefill(sess.cache, [sess.tokens[:-1]], all_hidden=True).hidden[0, :n])
+            out = self.target.prefill(sess.cache, [sess.tokens[:-1]], all_hidden=True, **tap_request(tap_layers))
+            sess.features.append(feature_rows(out)[0, :n])
 
     # --- RPC bodies ------------------------------------------------------------------------
     async def verify(self, session_id: str, pos: Position, draft_ids: Sequence[int],

@@ -24,6 +24,7 @@ class ModelBackend(Protocol):
     head_rows: Optional[Any]  # token ids the output layer scores ([subset] tensor), None: the whole vocabulary
     # --- capabilities ---
     returns_hidden: bool  # forward(want_hidden=True) gives the last hidden state (Medusa heads, EAGLE read it)
+    returns_taps: bool  # forward/prefill(tap_layers=...) give inner layers' residuals too (EAGLE drafts with taps)
     runs_trees: bool  # forward takes tree blocks (block_mask); False: causal chains only
     stacks_caches: bool  # batch-1 caches stack into one batched cache (kv_stack); False: run side by side (run_each)
     greedy_steps: bool  # greedy_step(cache, token) -> next greedy token, the argmax on the backend's side

@@ -38,7 +38,7 @@ matmul is F.linear.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -352,6 +352,8 @@ class FastLlamaLM(CausalLM):
     specdec.drafts); every other token gets logit -inf.
     """
 
+    returns_taps = True  # forward/prefill(tap_layers=...) give the residuals after those layers (ForwardOutput.taps)
+
     def __init__(self, model: torch.nn.Module, name: str = "model", weight_dtype: Optional[torch.dtype] = None,
                  head_rows: Optional[torch.Tensor] = None):
         why = supports_fast(model.config)
@@ -403,8 +405,10 @@ class FastLlamaLM(CausalLM):
         input_valid: Optional[torch.Tensor] = None,
         logits_at: Optional[torch.Tensor] = None,
         want_hidden: bool = False,
+        tap_layers: Sequence[int] = (),
     ) -> ForwardOutput:
-        """Same contract as CausalLM.forward (see there)."""
+        """Same contract as CausalLM.forward (see there); tap_layers: also the residual stream after
+        these decoder layers (0-based) at every input, ForwardOutput.taps (returns_taps)."""
         if not isinstance(cache, FastKVCache):
             raise TypeError("the fast backend needs a cache from its own new_cache()")
         batch, q = input_ids.shape
@@ -421,8 +425,11 @@ class FastLlamaLM(CausalLM):
         store = cache.hf
         store.reserve(q)
         x = F.embedding(input_ids.to(dev), self.embed)  # [batch, q, hidden]
+        tapped = {}
         for i, layer in enumerate(self.layers):
             x = decoder_layer(x, layer, self.shape, store, i, cos, sin, mask)
+            if i in tap_layers:
+                tapped[i] = x
         store.length += q
         hidden = _rms_norm(x, self.norm, self.eps)  # [batch, q, hidden]
         sel = hidden if logits_at is None else hidden[:, logits_at.to(dev)]
@@ -430,4 +437,25 @@ class FastLlamaLM(CausalLM):
         if self.head_rows is not None:
             logits = scatter_subset_logits(logits, self.head_rows, self.vocab_size)
         cache.appended(input_valid)
-        return ForwardOutput(logits=logits, hidden=hidden if want_hidden else None)
+        taps = torch.cat([tapped[i] for i in tap_layers], dim=-1) if tap_layers else None
+        return ForwardOutput(logits=logits, hidden=hidden if want_hidden else None, taps=taps)
+
+    @torch.inference_mode()
+    def layer_states(self, input_ids: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
+        """The residual stream after each of `layers` (0-based decoder layers, un-normed) over
+        input_ids [batch, q] from position 0, on a cache of its own: [batch, q, len(layers) * hidden],
+        in that order. Runs the decoder only as far as the deepest of them."""
+        if not layers or min(layers) < 0 or max(layers) >= len(self.layers):
+            raise ValueError(f"layers {list(layers)}: want 0-based decoder layers below {len(self.layers)}")
+        cache = self.new_cache(input_ids.shape[0])
+        mask, positions = self._attention_inputs(cache, input_ids, None, None, None)
+        mask = mask.repeat(1, 1, self.num_heads // self.kv_heads, 1)
+        cos, sin = self.rope(positions)
+        store = cache.hf
+        store.reserve(input_ids.shape[1])
+        x = F.embedding(input_ids.to(self.device), self.embed)
+        states = {}
+        for i, layer in enumerate(self.layers[: max(layers) + 1]):
+            x = decoder_layer(x, layer, self.shape, store, i, cos[:, None], sin[:, None], mask)
+            states[i] = x
+        return torch.cat([states[i] for i in layers], dim=-1)

@@ -22,6 +22,21 @@ from specdec.backends.kv_cache import KVCache, restore_kv, snapshot_kv
 class ForwardOutput:
     logits: torch.Tensor  # [batch, q or len(logits_at), vocab]
     hidden: Optional[torch.Tensor] = None  # [batch, q, hidden] last layer, after the final norm
+    # [batch, q, n * hidden]: the residual stream after the n decoder layers asked for (tap_layers;
+    # backends with returns_taps), in that order, un-normed
+    taps: Optional[torch.Tensor] = None
+
+
+def feature_rows(out: ForwardOutput) -> torch.Tensor:
+    """The target's states an EAGLE proposer reads per position: its features (hidden), followed
+    by its residuals after the draft's tap layers where they were asked for (taps)."""
+    return out.hidden if out.taps is None else torch.cat([out.hidden, out.taps], dim=-1)
+
+
+def tap_request(tap_layers) -> dict:
+    """forward/prefill keyword arguments asking for the residuals after tap_layers: none where
+    there are none (so a backend without returns_taps is asked the same as before)."""
+    return {"tap_layers": tuple(tap_layers)} if tap_layers else {}
 
 
 def scatter_subset_logits(sub: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -64,6 +79,7 @@ class CausalLM:
     backend = "hf"
     head_rows = None  # the whole vocabulary is scored
     returns_hidden = True
+    returns_taps = False  # forward/prefill(tap_layers=...): see specdec.backends.fast.FastLlamaLM
     runs_trees = True
     stacks_caches = True
     greedy_steps = False
@@ -165,12 +181,13 @@ class CausalLM:
 
     @torch.inference_mode()
     def prefill(self, cache: KVCache, prompts: list[list[int]] | list[tuple[int, ...]],
-                want_hidden: bool = False, all_hidden: bool = False) -> ForwardOutput:
+                want_hidden: bool = False, all_hidden: bool = False, **taps) -> ForwardOutput:
         """Feed prompts of different lengths (right-padded) into an empty or partly filled cache.
 
         Returns logits [batch, vocab] (and hidden [batch, hidden]) at each row's last prompt token;
         all_hidden: hidden [batch, width, hidden] at every fed position instead, row b's in its
-        first len(prompts[b]) columns (the features an EAGLE draft reads: specdec.eagle).
+        first len(prompts[b]) columns (the features an EAGLE draft reads: specdec.eagle), and
+        with tap_layers (a backend with returns_taps) taps there too.
         """
         lens = torch.tensor([len(p) for p in prompts])
         width = int(lens.max())
@@ -181,7 +198,8 @@ class CausalLM:
         rows = torch.arange(len(prompts))
         last = lens - 1  # [batch]
         cols, inverse = torch.unique(last, return_inverse=True)
-        out = self.forward(cache, ids, input_valid=valid, logits_at=cols, want_hidden=want_hidden or all_hidden)
+        out = self.forward(cache, ids, input_valid=valid, logits_at=cols, want_hidden=want_hidden or all_hidden, **taps)
         cache.keep_last(valid)
         hidden = out.hidden if all_hidden else out.hidden[rows, last] if want_hidden else None
-        return ForwardOutput(logits=out.logits[rows, inverse], hidden=hidden)  # logits [batch, vocab]
+        return ForwardOutput(logits=out.logits[rows, inverse], hidden=hidden,  # logits [batch, vocab]
+                             taps=out.taps if all_hidden else None)

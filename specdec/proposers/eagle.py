@@ -198,6 +198,11 @@ class EagleProposer(Proposer):
         self.verify_cost, self.runs_trees, self.depth = verify_cost, runs_trees, depth
         self._confidences: list[list[float]] = []  # per row of the last chain: its kept tokens' confidences
 
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        """The target layers whose residuals the loop hands over beside the features (the draft's)."""
+        return self.draft.tap_layers
+
     @torch.inference_mode()
     def catch_up(self, ctx: ProposeContext) -> torch.Tensor:
         """Roll each row back to its true pairs before the new features and feed the new pairs
@@ -214,7 +219,9 @@ class EagleProposer(Proposer):
         previous = None
         if self.draft.previous_token:
             previous = pad_pairs(ctx.target_features, [toks[s:-1] for toks, s in zip(ctx.token_ids, starts)])[1]
-        predicted = self.draft.extend(rows.cache, feats, ids, valid, previous_ids=previous)  # [rows, n, H]
+        hidden = self.draft.head.shape[1]  # a feature row: [f (H) ; the residuals after the draft's tap layers]
+        predicted = self.draft.extend(rows.cache, feats[..., :hidden], ids, valid, previous_ids=previous,
+                                      taps=feats[..., hidden:] if self.draft.tap_layers else None)  # [rows, n, H]
         rows.tokens = [list(toks) for toks in ctx.token_ids]
         last = valid.sum(1) - 1  # [rows]
         return predicted[torch.arange(len(starts)), last.to(predicted.device)]
@@ -295,7 +302,12 @@ def eagle_for_target(target, eagle_dir: Optional[str]) -> EagleDraft:
     if path is None:
         raise ModelLoadError(f"no EAGLE draft ships for target {target.name!r}: train one with "
                              "`specdec train eagle --out DIR` and pass it with --eagle DIR")
-    return load_eagle(path, target)
+    draft = load_eagle(path, target)
+    if draft.tap_layers and not getattr(target, "returns_taps", False):
+        raise FailedPrecondition(f"EAGLE draft {path} reads the target's residuals after layers "
+                                 f"{list(draft.tap_layers)}; the {target.backend} backend does not return them: "
+                                 "run the target on the fast backend (--backend fast)")
+    return draft
 
 
 def eagle_parts(env: ProposerEnv) -> tuple[EagleDraft, Optional[VerifyCost], Optional[DepthChoice]]:

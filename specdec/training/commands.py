@@ -130,6 +130,10 @@ def add_train_eagle(tsub: argparse._SubParsersAction) -> None:
     p.add_argument("--context-vocab", action="store_true",
                    help="the tokens of each request's context are draftable too, beside the frequent subset "
                         "(names and rare words an answer copies from its prompt); the token loss counts them")
+    p.add_argument("--tap-layers", type=_layer_list, default=(), metavar="I,J",
+                   help="each pair reads the target's residual stream after these decoder layers (0-based) too, "
+                        "as EAGLE-3 fuses low and middle layers; drafting then needs the fast backend's target "
+                        "(it returns them); with --init from a draft without them, that draft is widened (default: none)")
     p.add_argument("--token-weight", type=float, default=d.token_weight,
                    help=f"weight of the token loss (default {d.token_weight})")
     p.add_argument("--feature-weight", type=float, default=d.feature_weight,
@@ -138,8 +142,21 @@ def add_train_eagle(tsub: argparse._SubParsersAction) -> None:
                    help="start from this EAGLE draft's weights and vocabulary (any loss recipe; a new schedule)")
     p.add_argument("--checkpoint-every", type=float, default=5.0, metavar="MIN",
                    help="minutes between checkpoints (default 5)")
+    p.add_argument("--teacher-minutes", type=float, default=None, metavar="MIN",
+                   help="at most this many minutes of teacher pass in this run (default: half the time left; "
+                        "all of the data with --steps alone)")
     p.add_argument("--backend", default="fast", help="target backend for the teacher (default fast)")
     p.set_defaults(func=_cmd_train_eagle)
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated layer numbers (e.g. 2,15), not {text!r}") from None
+    if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
+        raise argparse.ArgumentTypeError(f"{text}: layers are distinct numbers >= 0")
+    return layers
 
 
 def _cmd_train_eagle(args: argparse.Namespace) -> int:
@@ -163,12 +180,13 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
     target = load_model(args.target, backend=args.backend)
     recipe = EagleRecipe(vocab=args.vocab, tokens_per_step=args.tokens_per_step, unroll=args.unroll, lr=args.lr,
                          previous_token=args.previous_token, soft_labels=args.soft_labels,
-                         context_vocab=args.context_vocab,
+                         context_vocab=args.context_vocab, tap_layers=args.tap_layers,
                          token_weight=args.token_weight, feature_weight=args.feature_weight)
     train_eagle(target.lm, data, args.out, args.work or Path("runs/eagle"), recipe=recipe, init=args.init,
                 target_name=_target_name(args.target),
                 time_budget_s=None if args.time_budget is None else args.time_budget * 60,
                 max_steps=args.steps, resume=args.resume, checkpoint_every_s=args.checkpoint_every * 60,
+                teacher_time_s=None if args.teacher_minutes is None else args.teacher_minutes * 60,
                 command=shlex.join(["specdec", *sys.argv[1:]]))
     print(f"use it: specdec generate --method eagle --eagle {args.out} \"PROMPT\"")
     return 0

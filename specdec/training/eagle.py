@@ -13,6 +13,10 @@ Recipe (`EagleRecipe`; the draft itself: specdec.eagle):
    most frequent answer tokens (+ EOS), chosen once per run and kept across resumes. With
    `previous_token` each pair reads the token before its own too (specdec.eagle); a run with it
    warm-started from the directory of a run without it widens that draft (`widen_fc`) and goes on.
+   With `tap_layers` each pair reads the target's residuals after those layers too: a second
+   cache (<work>/taps-<max_seq>-<layers>/, the decoder run only as deep as the deepest layer)
+   holds them for the sequences with features, those cached by earlier runs first; a run with
+   them trains on the sequences that have both. `--init` from a draft without them widens it.
 3. Loss at pair j: SmoothL1 between the predicted f^_{j+1} and the target's f_{j+1}
    (`feature_weight`, EAGLE's 1.0) + cross-entropy of the subset logits against the target's
    top-1 y_{j+1} (`token_weight`, EAGLE's 0.1; tokens outside the subset carry no token loss).
@@ -50,10 +54,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from specdec.eagle import VOCAB_FILE, WEIGHTS_FILE, EagleDraft, build_eagle, is_eagle_dir, save_eagle, widen_fc
+from specdec.eagle import (VOCAB_FILE, WEIGHTS_FILE, EagleDraft, build_eagle, fc_inputs, is_eagle_dir, save_eagle,
+                           widen_fc)
 from specdec.errors import InvalidRequest
 from specdec.backends.hf import CausalLM
-from specdec.training.medusa import Example, HiddenCache, build_hidden_cache, frequent_tokens
+from specdec.training.medusa import Example, HiddenCache, build_hidden_cache, fill_cache, frequent_tokens
 from specdec.training.progress import TrainState
 from specdec.training.selfdistill import read_parts
 
@@ -74,12 +79,14 @@ class EagleRecipe:
     previous_token: bool = False  # pairs read the token before theirs too (specdec.eagle: copying in one layer)
     soft_labels: bool = False  # token loss against the target's distribution over the subset, not its top-1
     context_vocab: bool = False  # the context's tokens are draftable too (specdec.eagle: copying rare tokens)
+    tap_layers: tuple[int, ...] = ()  # pairs read these target layers' residuals too (specdec.eagle; EAGLE-3's fusion)
 
 
 def same_recipe(saved: dict, recipe: EagleRecipe) -> bool:
     """Whether a recipe stored by a run (its dict; keys added since take their old meaning)
     is `recipe`."""
-    return {"previous_token": False, "soft_labels": False, "context_vocab": False, **saved} == asdict(recipe)
+    full = {"previous_token": False, "soft_labels": False, "context_vocab": False, "tap_layers": (), **saved}
+    return {**full, "tap_layers": tuple(full["tap_layers"])} == asdict(recipe)  # (JSON keeps a list)
 
 
 def widens(saved: dict, recipe: EagleRecipe) -> bool:
@@ -107,6 +114,7 @@ class CachedSequence:
     top1: torch.Tensor  # [m] int32: y_j
     eval_from: int  # first row whose depth-1 prediction (t_{j+2}) is an answer token
     first: int = 0  # t_0, the token before row 0's t_1
+    taps: Optional[torch.Tensor] = None  # [m, n * H] float16: the target's residuals after the recipe's tap_layers
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,7 @@ class Batch:
     has_target: torch.Tensor  # [B, W] bool: pair j has a next row (j + 1 < m)
     judged: torch.Tensor  # [B, W] bool: has_target and predicts an answer token (agreement)
     vocab_ids: Optional[torch.Tensor] = None  # [E] long: a context batch's draftable tokens, the subset's first
+    taps: Optional[torch.Tensor] = None  # [B, W, n * H] float32, where the sequences have them
 
 
 # --- data -------------------------------------------------------------------------------------
@@ -196,9 +205,12 @@ def make_batch(seqs: Sequence[CachedSequence], to_subset: torch.Tensor, context_
     valid = torch.zeros(len(seqs), width, dtype=torch.bool)
     has_target = torch.zeros(len(seqs), width, dtype=torch.bool)
     judged = torch.zeros(len(seqs), width, dtype=torch.bool)
+    taps = None if seqs[0].taps is None else torch.zeros(len(seqs), width, seqs[0].taps.shape[1])
     for b, s in enumerate(seqs):
         m = len(s.tokens)
         feats[b, :m] = s.features.float()
+        if taps is not None:
+            taps[b, :m] = s.taps.float()
         tokens[b, :m] = s.tokens.long()
         previous[b, 0] = s.first
         previous[b, 1:m] = s.tokens[: m - 1].long()
@@ -207,7 +219,7 @@ def make_batch(seqs: Sequence[CachedSequence], to_subset: torch.Tensor, context_
         valid[b, :m] = True
         has_target[b, : m - 1] = True
         judged[b, s.eval_from : m - 1] = True
-    return Batch(feats, tokens, previous, valid, labels, has_target, judged, vocab_ids)
+    return Batch(feats, tokens, previous, valid, labels, has_target, judged, vocab_ids, taps)
 
 
 # --- the unrolled loss ------------------------------------------------------------------------
@@ -234,10 +246,12 @@ def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def unrolled_outputs(draft: EagleDraft, features: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
-                     unroll: int, previous: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+                     unroll: int, previous: Optional[torch.Tensor] = None,
+                     taps: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """The draft's predicted features at every unroll step: features [B, W, H] (true f_j),
     tokens [B, W] (t_{j+1}), valid [B, W], previous [B, W] (t_j; read by a previous_token
-    draft) -> [out_0, ..., out_{unroll-1}], each [B, W, H]; out_s
+    draft), taps [B, W, n * H] (the target's residuals at j; read by a tap_layers draft at
+    step 0 only: a drafted pair has none) -> [out_0, ..., out_{unroll-1}], each [B, W, H]; out_s
     at j is the draft's f^_{j+1} at drafting depth s + 1 (its input at j: f_j for s = 0, else
     out_{s-1} at j - 1; undefined for j < s)."""
     from transformers import DynamicCache
@@ -248,7 +262,7 @@ def unrolled_outputs(draft: EagleDraft, features: torch.Tensor, tokens: torch.Te
     inputs, outs = features, []
     for s in range(unroll):
         outs.append(draft(inputs, tokens, additive(unroll_mask(valid, s), draft.dtype), positions, cache,
-                          previous_ids=previous))
+                          previous_ids=previous, taps=taps if s == 0 else None))
         inputs = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], dim=1)  # step s+1 reads f^_j at j
     return outs
 
@@ -266,7 +280,8 @@ def unrolled_loss(draft: EagleDraft, batch: Batch, recipe: EagleRecipe
     feats, width = batch.features, batch.features.shape[1]
     target = torch.cat([feats[:, 1:], torch.zeros_like(feats[:, :1])], dim=1)  # [B, W, H]: f_{j+1} at j
     total, agreement = feats.new_zeros(()), []
-    for s, out in enumerate(unrolled_outputs(draft, feats, batch.tokens, batch.valid, recipe.unroll, batch.previous)):
+    outs = unrolled_outputs(draft, feats, batch.tokens, batch.valid, recipe.unroll, batch.previous, batch.taps)
+    for s, out in enumerate(outs):
         use = batch.has_target & (torch.arange(width) >= s)[None]  # [B, W]; step s has inputs from j = s
         pred, labels = out[use], batch.labels[use]  # [N, H], [N]
         logits = draft.subset_logits(pred) if batch.vocab_ids is None else pred @ draft.output[batch.vocab_ids].T
@@ -337,35 +352,59 @@ def warm_start(out_dir: Path, recipe: EagleRecipe) -> Optional[tuple[EagleState,
 def init_weights(init_dir: Path, recipe: EagleRecipe) -> tuple[torch.Tensor, dict]:
     """(vocabulary, float32 weights) of an EAGLE directory to start a run of `recipe` from, whatever
     recipe made it (the loss may differ; the draft's shape may not, but a draft without
-    previous_token is widened for a recipe with it)."""
+    previous_token, or without tap layers, is widened for a recipe with them: it computes the
+    same until trained)."""
     if not is_eagle_dir(init_dir):
         raise InvalidRequest(f"--init {init_dir}: not an EAGLE draft directory")
     meta = json.loads((init_dir / VOCAB_FILE).read_text())
     had_previous = bool((meta.get("recipe") or {}).get("previous_token", False))
     if had_previous and not recipe.previous_token:
         raise InvalidRequest(f"--init {init_dir} reads the previous token: train with --previous-token")
+    had_taps = tuple(meta.get("tap_layers", ()))
+    if had_taps and had_taps != recipe.tap_layers:
+        raise InvalidRequest(f"--init {init_dir} reads target layers {list(had_taps)}: train with "
+                             f"--tap-layers {','.join(map(str, had_taps))}")
     weights = {k: v.float() for k, v in load_file(str(init_dir / WEIGHTS_FILE)).items()}
+    hidden = int(meta["hidden_size"])
     if recipe.previous_token and not had_previous:
-        weights = widen_fc(weights, int(meta["hidden_size"]))
+        weights = widen_fc(weights, hidden)
+    if recipe.tap_layers and not had_taps:
+        weights = widen_fc(weights, hidden, fc_inputs(recipe.previous_token, 0),
+                           fc_inputs(recipe.previous_token, len(recipe.tap_layers)))
     return torch.tensor(meta["token_ids"], dtype=torch.long), weights
+
+
+def sequence_taps(target: CausalLM, ex: Example, max_seq: int, layers: Sequence[int]) -> tuple[torch.Tensor]:
+    """The target's residuals after `layers` at the rows the teacher caches for ex (positions
+    0..n-2 of its last max_seq tokens): ([n - 1, len(layers) * H] float16,)."""
+    ids = (list(ex.prompt_ids) + list(ex.answer_ids))[-max_seq:]
+    return (target.layer_states(torch.tensor([ids]), layers)[0, :-1].to(torch.float16).cpu(),)
 
 
 def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work_dir: Path, *,
                 recipe: EagleRecipe = EagleRecipe(), init: Optional[Path] = None, target_name: Optional[str] = None,
                 time_budget_s: Optional[float] = None, max_steps: Optional[int] = None, resume: bool = False,
-                checkpoint_every_s: float = 300.0, teacher_share: float = 0.5, command: Optional[str] = None,
+                checkpoint_every_s: float = 300.0, teacher_share: float = 0.5,
+                teacher_time_s: Optional[float] = None, command: Optional[str] = None,
                 log: Callable[[str], None] = print) -> EagleState:
     """Train an EAGLE draft for `target` (its features come from this backend) on the folders'
     self-distilled parts; writes out_dir (the draft) and, in work_dir, the teacher cache and
     checkpoint.pt. Stops at max_steps or once time_budget_s (teacher pass included, summed over
     resumed runs) is spent, whichever comes first; the teacher pass gets at most teacher_share
-    of the time left (all of the data when there is no time budget). `init`: an EAGLE directory
+    of the time left (all of the data when there is no time budget), and at most teacher_time_s
+    where given. `init`: an EAGLE directory
     whose weights and vocabulary a new run starts from (step 0, its own warm-up and schedule);
     a checkpoint in work_dir, or with `resume` this recipe's draft in out_dir, goes before it."""
     if time_budget_s is None and max_steps is None:
         raise InvalidRequest("give a time budget or a step budget")
     if recipe.soft_labels and recipe.context_vocab:
         raise InvalidRequest("soft labels are the target's distribution over the subset: not with a context vocabulary")
+    if recipe.tap_layers and not hasattr(target, "layer_states"):
+        raise InvalidRequest(f"--tap-layers reads the target's inner layers: the {target.backend} backend does not "
+                             "return them; train on the fast backend")
+    layers = int(target.config.num_hidden_layers)
+    if any(not 0 <= i < layers for i in recipe.tap_layers):
+        raise InvalidRequest(f"--tap-layers {list(recipe.tap_layers)}: the target's decoder layers are 0..{layers - 1}")
     out_dir, work_dir = Path(out_dir), Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     ckpt = work_dir / "checkpoint.pt"
@@ -399,19 +438,42 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
     cut = state.teacher_sequences % len(order)
     order = order[cut:] + order[:cut]  # where earlier teacher passes stopped: new sequences first
     left = None if time_budget_s is None else max(0.0, time_budget_s - state.elapsed_s)
+    share = None if left is None else left * teacher_share
+    if teacher_time_s is not None:
+        share = teacher_time_s if share is None else min(share, teacher_time_s)
+
+    def teacher_time() -> Optional[float]:  # of the teacher's share: None (no budget) or what is left
+        return None if share is None else max(0.0, share - (time.monotonic() - t0))
+
     cache = HiddenCache(work_dir / f"teacher-{recipe.max_seq}")
+    tap_cache = None if not recipe.tap_layers else HiddenCache(
+        work_dir / f"taps-{recipe.max_seq}-{'-'.join(map(str, recipe.tap_layers))}", columns=("taps",))
+
+    def tap_pass() -> None:  # the residuals of the sequences with features
+        if tap_cache is not None and teacher_time() != 0.0:
+            have = cache.keys()
+            fill_cache([ex for ex in order if ex.key in have], tap_cache,
+                       lambda ex: sequence_taps(target, ex, recipe.max_seq, recipe.tap_layers),
+                       f"target residuals after layers {list(recipe.tap_layers)}", time_budget_s=teacher_time())
+
     if left is None or left > 0:
-        added = build_hidden_cache(target, order, cache, recipe.max_seq, include_prompt=True,
-                                   time_budget_s=None if left is None else left * teacher_share)
+        tap_pass()  # first those whose features earlier runs cached
+        added = 0 if teacher_time() == 0.0 else build_hidden_cache(
+            target, order, cache, recipe.max_seq, include_prompt=True, time_budget_s=teacher_time())
         state.teacher_sequences += added
         if added:
             log(f"teacher: features of {added} new sequences cached")
+        tap_pass()
+    stored = cache.load([ex.key for ex in order])
+    taps: dict = {}
+    if tap_cache is not None:  # a tap_layers draft trains on the sequences with both
+        taps = {k: t for k, (t,) in tap_cache.load(list(stored)).items()}
+        stored = {k: v for k, v in stored.items() if k in taps}
     spent = time.monotonic() - t0
     state.teacher_s += spent
     state.elapsed_s += spent
-    stored = cache.load([ex.key for ex in order])
     seqs = {ex.key: CachedSequence(*stored[ex.key], eval_from=answer_row(ex, recipe.max_seq),
-                                   first=first_token(ex, recipe.max_seq))
+                                   first=first_token(ex, recipe.max_seq), taps=taps.get(ex.key))
             for ex in order if ex.key in stored and len(stored[ex.key][1]) >= 2}
     train = [s for k, s in seqs.items() if not is_heldout(k, recipe.heldout_every)]
     heldout = [s for k, s in seqs.items() if is_heldout(k, recipe.heldout_every)]
@@ -424,7 +486,7 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
 
     # 2. the draft, the optimizer, the checkpoint.
     draft = build_eagle(target, token_ids, previous_token=recipe.previous_token,
-                        context_vocab=recipe.context_vocab).float().train()
+                        context_vocab=recipe.context_vocab, tap_layers=recipe.tap_layers).float().train()
     opt = torch.optim.AdamW(draft.parameters(), lr=recipe.lr, weight_decay=0.0)
     if saved is not None:
         draft.load_state_dict(saved["draft"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -31,16 +31,29 @@ from specdec.training.eagle import CachedSequence, first_positions, make_batch, 
 from specdec.types import StopConditions
 
 
-def answer_sequence(target: CausalLM, prompt: list[int], answer: list[int]) -> CachedSequence:
+def answer_sequence(target: CausalLM, prompt: list[int], answer: list[int],
+                    tap_layers: Sequence[int] = ()) -> CachedSequence:
     """The target's features and top-1 over prompt + answer, as training caches them (rows j:
-    pairs (f_j, t_{j+1})); judged: the rows whose depth-1 prediction is an answer token from the
-    second on (decoding drafts none before: the prefill gives the first)."""
+    pairs (f_j, t_{j+1}); with tap_layers, its residuals after those layers too); judged: the rows
+    whose depth-1 prediction is an answer token from the second on (decoding drafts none before:
+    the prefill gives the first)."""
     ids = prompt + answer
     out = target.forward(target.new_cache(1), torch.tensor([ids]), want_hidden=True)
+    taps = target.layer_states(torch.tensor([ids]), tap_layers)[0, :-1].to(torch.float16).cpu() if tap_layers else None
     return CachedSequence(features=out.hidden[0, :-1].to(torch.float16).cpu(),
                           tokens=torch.tensor(ids[1:], dtype=torch.int32),
                           top1=out.logits[0, :-1].argmax(-1).to(torch.int32).cpu(),
-                          eval_from=max(0, len(prompt) - 1), first=ids[0])
+                          eval_from=max(0, len(prompt) - 1), first=ids[0], taps=taps)
+
+
+def with_taps(seq: CachedSequence, held: Sequence[int], wanted: Sequence[int]) -> CachedSequence:
+    """seq, whose taps are the residuals after the layers `held` (in that order), with those of
+    `wanted` only (a draft's tap_layers; none for a draft without)."""
+    if not wanted:
+        return replace(seq, taps=None)
+    hidden = seq.features.shape[1]
+    chunks = seq.taps.split(hidden, dim=-1)
+    return replace(seq, taps=torch.cat([chunks[list(held).index(i)] for i in wanted], dim=-1))
 
 
 def accepted_lengths(hits: torch.Tensor, judged: torch.Tensor) -> tuple[list[int], int]:
@@ -66,7 +79,8 @@ def chain_figures(draft: EagleDraft, seq: CachedSequence, k: int) -> tuple[list[
     to_subset = torch.full((draft.vocab_size,), -1, dtype=torch.long)
     to_subset[draft.token_ids] = torch.arange(len(draft.token_ids))
     batch = make_batch([seq], to_subset, draft.context_vocab)
-    outs = unrolled_outputs(draft, batch.features.to(draft.dtype), batch.tokens, batch.valid, k, batch.previous)
+    outs = unrolled_outputs(draft, batch.features.to(draft.dtype), batch.tokens, batch.valid, k, batch.previous,
+                            batch.taps)
     if batch.vocab_ids is None:
         picks = [draft.subset_logits(o[0]).argmax(-1) for o in outs]
     else:  # step s at j: the chain after pair j - s, whose context is t_0..t_{j-s+1}
@@ -126,7 +140,8 @@ def tree_figures(draft: EagleDraft, seq: CachedSequence, shape: TreeShape, rows:
     pairs = len(ids) - 1  # (f_j, t_{j+1}) for j = 0..len - 2
     whole = draft.new_cache(1)
     out = draft.extend(whole, seq.features[None].to(draft.dtype), torch.tensor([ids[1:]]),
-                       previous_ids=torch.tensor([ids[:-1]]))[0]  # [pairs, H]: out[j] = f^_{j+1}
+                       previous_ids=torch.tensor([ids[:-1]]),
+                       taps=None if seq.taps is None else seq.taps[None])[0]  # [pairs, H]: out[j] = f^_{j+1}
     starts = list(range(seq.eval_from + 2, len(ids)))
     accepted = 0
     for at in range(0, len(starts), rows):
@@ -149,10 +164,12 @@ def compare(target: CausalLM, drafts: dict[str, EagleDraft], prompts: Sequence[t
     categories plus "all"."""
     stop = StopConditions(max_new_tokens=max_new_tokens, eos_token_ids=target.eos_token_ids)
     sums = {name: defaultdict(lambda: [[0] * k, 0, 0, 0]) for name in drafts}
+    layers = sorted({i for draft in drafts.values() for i in draft.tap_layers})
     for cat, ids in prompts:
         answer = list(plain_generate(target, [ids], stop=stop)[0].token_ids)
-        seq = answer_sequence(target, ids, answer)
+        whole = answer_sequence(target, ids, answer, layers)
         for name, draft in drafts.items():
+            seq = with_taps(whole, layers, draft.tap_layers)
             right, n = chain_figures(draft, seq, k)
             in_trees, trees = tree_figures(draft, seq, tree) if tree is not None else (0, 0)
             for key in (cat, "all"):

@@ -131,11 +131,13 @@ def sequence_hidden(target: CausalLM, ex: Example, max_seq: int, include_prompt:
 
 
 class HiddenCache:
-    """Shards of (hidden float16 [rows, hidden], tokens int32 [rows], greedy int32 [rows],
-    offsets [seqs + 1]) on disk, with an index of which example keys each shard holds."""
+    """Shards of per-sequence row tensors on disk, by default (hidden float16 [rows, hidden],
+    tokens int32 [rows], greedy int32 [rows]), with offsets [seqs + 1] and an index of which
+    example keys each shard holds. `columns`: the tensors' names (each cache holds the same ones)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, columns: Sequence[str] = ("hidden", "tokens", "greedy")):
         self.root = Path(root)
+        self.columns = tuple(columns)
         self.root.mkdir(parents=True, exist_ok=True)
         index = self.root / "index.json"
         self.index: dict[str, list[str]] = json.loads(index.read_text()) if index.exists() else {}
@@ -143,22 +145,23 @@ class HiddenCache:
     def keys(self) -> set[str]:
         return {k for ks in self.index.values() for k in ks}
 
-    def add_shard(self, keys: list[str], hiddens: list[torch.Tensor], tokens: list[torch.Tensor],
-                  greedy: list[torch.Tensor]) -> None:
+    def add_shard(self, keys: list[str], *columns: list[torch.Tensor]) -> None:
+        """columns: one list per column (in `columns` order) of one tensor per key, as many rows each."""
         from safetensors.torch import save_file
 
         name = f"shard-{len(self.index):05d}.safetensors"
-        offsets = torch.tensor([0] + [len(t) for t in tokens]).cumsum(0)
+        offsets = torch.tensor([0] + [len(t) for t in columns[0]]).cumsum(0)
         tmp = self.root / (name + ".tmp")
-        save_file({"hidden": torch.cat(hiddens), "tokens": torch.cat(tokens), "greedy": torch.cat(greedy),
-                   "offsets": offsets}, str(tmp))
+        save_file({**{c: torch.cat(ts) for c, ts in zip(self.columns, columns, strict=True)}, "offsets": offsets},
+                  str(tmp))
         tmp.replace(self.root / name)
         self.index[name] = keys
         tmp = self.root / "index.json.tmp"
         tmp.write_text(json.dumps(self.index))
         tmp.replace(self.root / "index.json")
 
-    def load(self, wanted: Sequence[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def load(self, wanted: Sequence[str]) -> dict[str, tuple[torch.Tensor, ...]]:
+        """key -> its columns' tensors, for the wanted keys cached."""
         from safetensors.torch import load_file
 
         want = set(wanted)
@@ -170,7 +173,7 @@ class HiddenCache:
             off = t["offsets"].tolist()
             for i, k in enumerate(keys):
                 if k in want:
-                    out[k] = tuple(t[name][off[i] : off[i + 1]] for name in ("hidden", "tokens", "greedy"))
+                    out[k] = tuple(t[c][off[i] : off[i + 1]] for c in self.columns)
         return out
 
 
@@ -178,25 +181,32 @@ def build_hidden_cache(target: CausalLM, examples: Sequence[Example], cache: Hid
                        include_prompt: bool = True, shard_seqs: int = 64,
                        time_budget_s: Optional[float] = None) -> int:
     """Compute and store the hidden states of the examples not yet cached; returns how many."""
+    return fill_cache(examples, cache, lambda ex: sequence_hidden(target, ex, max_seq, include_prompt),
+                      "target hidden states", shard_seqs, time_budget_s)
+
+
+def fill_cache(examples: Sequence[Example], cache: HiddenCache,
+               compute: Callable[[Example], tuple[torch.Tensor, ...]], desc: str, shard_seqs: int = 64,
+               time_budget_s: Optional[float] = None) -> int:
+    """Store compute(ex) (the cache's columns) for the examples not yet cached, in their order,
+    until time_budget_s is spent; returns how many were added."""
     have = cache.keys()
     todo = list({ex.key: ex for ex in examples if ex.key not in have}.values())
     t0 = time.monotonic()
-    keys, hiddens, tokens, greedy = [], [], [], []
+    keys, columns = [], [[] for _ in cache.columns]
     done = 0
-    for ex in tqdm(todo, desc="target hidden states", unit="seq", disable=not todo):
-        h, t, g = sequence_hidden(target, ex, max_seq, include_prompt)
+    for ex in tqdm(todo, desc=desc, unit="seq", disable=not todo):
         keys.append(ex.key)
-        hiddens.append(h)
-        tokens.append(t)
-        greedy.append(g)
+        for column, tensor in zip(columns, compute(ex), strict=True):
+            column.append(tensor)
         if len(keys) >= shard_seqs:
-            cache.add_shard(keys, hiddens, tokens, greedy)
+            cache.add_shard(keys, *columns)
             done += len(keys)
-            keys, hiddens, tokens, greedy = [], [], [], []
+            keys, columns = [], [[] for _ in cache.columns]
         if time_budget_s is not None and time.monotonic() - t0 > time_budget_s:
             break
     if keys:
-        cache.add_shard(keys, hiddens, tokens, greedy)
+        cache.add_shard(keys, *columns)
         done += len(keys)
     return done
 

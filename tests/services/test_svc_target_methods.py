@@ -195,6 +195,38 @@ def test_eagle_decodes_on_the_target_service_as_plain_and_gets_every_feature_onc
             assert len(starts) >= 2, "the rolled-back session was not read again"
 
 
+def test_a_draft_reading_tap_layers_gets_the_target_s_residuals_beside_every_feature(long_target):
+    """A feature-reading proposer that asks for the residuals after a target layer (an EAGLE
+    draft with tap_layers), on the fast backend: whatever came before (Verify steps, a caller
+    two tokens behind), each feature row it was handed carries the residual after that layer
+    as one fresh pass computes it, and greedy output is plain's."""
+    import copy
+
+    from specdec.backends.fast import FastLlamaLM
+    from specdec.decode import plain_generate
+    from specdec.testing import perturbed_copy
+    from specdec.types import StopConditions
+    from tests.unit.test_eagle import FeatureProbe
+
+    class TapProbe(FeatureProbe):
+        tap_layers = (0,)
+
+    fast = FastLlamaLM(copy.deepcopy(long_target.model), name=long_target.name)
+    prompt, total = [5, 6, 7, 8, 9, 10, 11], 30
+    want = list(plain_generate(fast, [prompt], stop=StopConditions(max_new_tokens=total))[0].token_ids)
+    probe = TapProbe(perturbed_copy(long_target, noise=0.3, seed=1))
+    got = _eagle_scenario(fast, probe, prompt, total, ((), (want[1], want[2]), (3, 4)), rollback=True)
+    assert got == want
+    [calls] = probe.seen.values()
+    starts = [i for i, (toks, feats) in enumerate(calls) if feats.shape[0] == len(toks) - 1]
+    handed = torch.cat([f for _, f in calls[starts[-1]:]])
+    toks = torch.tensor([list(calls[-1][0][:-1])])
+    assert handed.shape == (toks.shape[1], 2 * 48)
+    ref = fast.forward(fast.new_cache(1), toks, want_hidden=True).hidden[0]
+    torch.testing.assert_close(handed[:, :48], ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(handed[:, 48:], fast.layer_states(toks, (0,))[0], atol=1e-4, rtol=1e-4)
+
+
 def test_the_eagle_method_decodes_on_the_target_service_as_plain(long_target):
     from specdec.decode import plain_generate
     from specdec.eagle import build_eagle

@@ -710,3 +710,124 @@ def test_auto_weighs_the_eagle_draft_once_it_has_run_here(tiny_target, trained_d
     [got] = engine.generate_ids(prompts[:1], "auto", stop=stop, k=4)
     [want] = engine.generate_ids(prompts[:1], "plain", stop=stop)
     assert_greedy_equal(tiny_target, prompts[0], got.token_ids, want.token_ids) and got.stats.drafted > 0
+
+
+def test_layer_states_are_the_residual_stream_the_forward_runs_through(fast_target):
+    """layer_states: after the last layer, normed, they are the forward's features; earlier
+    layers come in the order asked; a layer the target lacks is refused."""
+    ids = torch.tensor([[5, 17, 33, 2, 40, 9], [9, 9, 60, 12, 7, 88]])
+    out = fast_target.forward(fast_target.new_cache(2), ids, want_hidden=True)
+    last = fast_target.layer_states(ids, (1,))
+    torch.testing.assert_close(torch.nn.functional.rms_norm(last, (48,), fast_target.norm, fast_target.eps),
+                               out.hidden)
+    both = fast_target.layer_states(ids, (1, 0))
+    assert both.shape == (2, 6, 96)
+    torch.testing.assert_close(both[..., :48], last)
+    torch.testing.assert_close(both[..., 48:], fast_target.layer_states(ids, (0,)))
+    assert (both[..., 48:] - last).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="below 2"):
+        fast_target.layer_states(ids, (2,))
+
+
+@pytest.fixture(scope="module")
+def trained_taps_dir(fast_target, data_dir, trained_prev_dir, tmp_path_factory):
+    """A draft reading the target's residuals after layer 0: trained_prev_dir's widened (--init) and trained on."""
+    root = tmp_path_factory.mktemp("eagle-taps")
+    recipe = replace(RECIPE, previous_token=True, tap_layers=(0,))
+    train_eagle(fast_target, [data_dir], root / "draft", root / "work", recipe=recipe, init=trained_prev_dir,
+                max_steps=40, log=lambda _: None)
+    return root / "draft"
+
+
+def test_a_tap_layers_draft_starts_as_the_draft_it_widens_and_reads_the_taps_once_trained(
+        fast_target, data_dir, trained_prev_dir, trained_taps_dir, tmp_path):
+    """--init from a draft without taps: fc's new columns are zero, so the widened draft computes
+    what its init did, whatever the taps; trained, its features depend on them, and a drafted
+    pair (no taps) reads zeros there. The layers round-trip through the directory."""
+    recipe = replace(RECIPE, previous_token=True, tap_layers=(0,))
+    train_eagle(fast_target, [data_dir], tmp_path / "d", tmp_path / "w", recipe=recipe, init=trained_prev_dir,
+                max_steps=0, log=lambda _: None)
+    narrow = load_eagle(trained_prev_dir, fast_target, drafting_dtype=torch.float32)
+    wide = load_eagle(tmp_path / "d", fast_target, drafting_dtype=torch.float32)
+    trained = load_eagle(trained_taps_dir, fast_target, drafting_dtype=torch.float32)
+    assert wide.tap_layers == trained.tap_layers == (0,) and narrow.tap_layers == ()
+    feats, ids = torch.randn(2, 5, 48), torch.tensor([[5, 6, 7, 8, 9], [3, 3, 4, 4, 5]])
+    prev, taps = torch.randint(0, 96, (2, 5)), 30 * torch.randn(2, 5, 48)
+    torch.testing.assert_close(wide.extend(wide.new_cache(2), feats, ids, previous_ids=prev, taps=taps),
+                               narrow.extend(narrow.new_cache(2), feats, ids, previous_ids=prev))
+    a = trained.extend(trained.new_cache(2), feats, ids, previous_ids=prev, taps=taps)
+    b = trained.extend(trained.new_cache(2), feats, ids, previous_ids=prev, taps=-taps)
+    none = trained.extend(trained.new_cache(2), feats, ids, previous_ids=prev)
+    zero = trained.extend(trained.new_cache(2), feats, ids, previous_ids=prev, taps=torch.zeros_like(taps))
+    assert (a - b).abs().max() > 1e-3
+    torch.testing.assert_close(none, zero)
+    # the scale of a layer's residuals does not matter: each is normalized
+    torch.testing.assert_close(trained.extend(trained.new_cache(2), feats, ids, previous_ids=prev, taps=taps / 30), a)
+
+
+def test_tap_training_needs_a_target_that_returns_its_layers_and_layers_it_has(tiny_target, fast_target, data_dir,
+                                                                             trained_taps_dir, tmp_path):
+    recipe = replace(RECIPE, previous_token=True, tap_layers=(0,))
+    with pytest.raises(InvalidRequest, match="fast backend"):
+        train_eagle(tiny_target, [data_dir], tmp_path / "a", tmp_path / "wa", recipe=recipe, max_steps=1)
+    with pytest.raises(InvalidRequest, match="layers are 0..1"):
+        train_eagle(fast_target, [data_dir], tmp_path / "b", tmp_path / "wb", recipe=replace(recipe, tap_layers=(2,)),
+                    max_steps=1)
+    with pytest.raises(InvalidRequest, match="--tap-layers 0"):  # an init with other taps
+        train_eagle(fast_target, [data_dir], tmp_path / "c", tmp_path / "wc", recipe=replace(recipe, tap_layers=(1,)),
+                    init=trained_taps_dir, max_steps=0)
+
+
+def test_the_unrolled_steps_read_the_taps_at_step_0_only(fast_target, trained_taps_dir):
+    """Training's step 0 runs on the target's true pairs, taps included; steps s > 0 feed the
+    draft's own features, where the target has computed no residuals: they read none."""
+    draft = load_eagle(trained_taps_dir, fast_target).float()
+    feats, ids = torch.randn(1, 6, 48), torch.randint(0, 96, (1, 6))
+    prev, valid, taps = torch.randint(0, 96, (1, 6)), torch.ones(1, 6, dtype=torch.bool), torch.randn(1, 6, 48)
+    with torch.no_grad():
+        outs = unrolled_outputs(draft, feats, ids, valid, 2, prev, taps)
+        step0 = draft.extend(draft.new_cache(1), feats, ids, previous_ids=prev, taps=taps)
+        torch.testing.assert_close(outs[0], step0, atol=2e-3, rtol=2e-3)
+        shifted = torch.cat([torch.zeros_like(outs[0][:, :1]), outs[0][:, :-1]], dim=1)
+        cache = draft.new_cache(1)
+        draft.extend(cache, feats[:, :1], ids[:, :1], previous_ids=prev[:, :1], taps=taps[:, :1])
+        # the depth-2 input at position 1: after the true pair 0, the draft's own f^_1, no taps
+        depth2 = draft.extend(cache, shifted[:, 1:2], ids[:, 1:2], previous_ids=prev[:, 1:2])
+        torch.testing.assert_close(outs[1][:, 1:2], depth2, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_tap_layers_draft_is_lossless_and_drafts_from_the_residuals_the_target_computed(
+        fast_target, trained_taps_dir, k):
+    """On the fast backend the loop hands a tap_layers draft, beside each committed position's
+    feature, the target's residuals after its layers there (what a fresh forward over the
+    committed tokens computes), and each step drafts what the draft computes from scratch on
+    them; greedy output equals plain decoding's."""
+    draft = load_eagle(trained_taps_dir, fast_target)
+    proposer = RecordingEagle(draft)
+    got = check_greedy(fast_target, proposer, PROMPTS, StopConditions(max_new_tokens=25), k)
+    assert sum(g.stats.accepted for g in got) > 0
+    features: dict[int, list[torch.Tensor]] = {}
+    for ctx, proposals in proposer.calls:
+        for row, toks, feats, prop in zip(ctx.row_ids, ctx.token_ids, ctx.target_features, proposals):
+            features.setdefault(row, []).append(feats)
+            pairs = torch.cat(features[row])[None]  # [1, L - 1, 2 H]: (f_p ; residual after layer 0 at p)
+            assert pairs.shape == (1, len(toks) - 1, 96)
+            torch.testing.assert_close(pairs[..., 48:], fast_target.layer_states(torch.tensor([toks[:-1]]), (0,)),
+                                       atol=1e-4, rtol=1e-4)
+            cache = draft.new_cache(1)
+            f = draft.extend(cache, pairs[..., :48], torch.tensor([toks[1:]]), previous_ids=torch.tensor([toks[:-1]]),
+                             taps=pairs[..., 48:])[:, -1]
+            before = toks[-1]
+            for token in prop.token_ids:
+                logits = draft.logits(f)[0]
+                assert float(logits.max() - logits[token]) < 1e-4, (row, len(toks))
+                f = draft.extend(cache, f[:, None], torch.tensor([[token]]), previous_ids=torch.tensor([[before]]))[:, 0]
+                before = token
+
+
+def test_a_tap_layers_draft_is_refused_on_a_backend_that_does_not_return_the_layers(tiny_target, trained_taps_dir):
+    env = ProposerEnv(tiny_target, EngineConfig(eagle_dir=str(trained_taps_dir)), costs=None,
+                      load_draft=lambda: None, gives_features=True)
+    with pytest.raises(FailedPrecondition, match="the hf backend does not return them: run the target on the fast"):
+        load_proposer("eagle", env)

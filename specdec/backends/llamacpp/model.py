@@ -404,6 +404,7 @@ class LlamaCppLM:
     backend = "llamacpp"
     head_rows = None
     returns_hidden = True  # forward(want_hidden=True): the final hidden state where logits are asked
+    returns_taps = False  # no inner layers: llama.cpp returns the final hidden state only
     runs_trees = False  # causal chains only: see the module docstring
     stacks_caches = False  # a cache is a llama.cpp context: sessions run side by side instead (run_each)
     greedy_steps = True  # greedy_step: the argmax read straight from llama.cpp's logits buffer, no copy
