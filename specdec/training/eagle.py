@@ -374,11 +374,15 @@ def init_weights(init_dir: Path, recipe: EagleRecipe) -> tuple[torch.Tensor, dic
     return torch.tensor(meta["token_ids"], dtype=torch.long), weights
 
 
+def pair_taps(target: CausalLM, ids: Sequence[int], layers: Sequence[int]) -> torch.Tensor:
+    """The target's residuals after `layers` at the pairs of ids (positions 0..n-2), as the caches
+    hold them: [n - 1, len(layers) * H] float16."""
+    return target.layer_states(torch.tensor([list(ids)]), layers)[0, :-1].to(torch.float16).cpu()
+
+
 def sequence_taps(target: CausalLM, ex: Example, max_seq: int, layers: Sequence[int]) -> tuple[torch.Tensor]:
-    """The target's residuals after `layers` at the rows the teacher caches for ex (positions
-    0..n-2 of its last max_seq tokens): ([n - 1, len(layers) * H] float16,)."""
-    ids = (list(ex.prompt_ids) + list(ex.answer_ids))[-max_seq:]
-    return (target.layer_states(torch.tensor([ids]), layers)[0, :-1].to(torch.float16).cpu(),)
+    """pair_taps at the rows the teacher caches for ex (its last max_seq tokens), as a cache row."""
+    return (pair_taps(target, (list(ex.prompt_ids) + list(ex.answer_ids))[-max_seq:], layers),)
 
 
 def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work_dir: Path, *,
@@ -399,7 +403,7 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
         raise InvalidRequest("give a time budget or a step budget")
     if recipe.soft_labels and recipe.context_vocab:
         raise InvalidRequest("soft labels are the target's distribution over the subset: not with a context vocabulary")
-    if recipe.tap_layers and not hasattr(target, "layer_states"):
+    if recipe.tap_layers and not getattr(target, "returns_taps", False):
         raise InvalidRequest(f"--tap-layers reads the target's inner layers: the {target.backend} backend does not "
                              "return them; train on the fast backend")
     layers = int(target.config.num_hidden_layers)

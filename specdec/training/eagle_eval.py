@@ -27,7 +27,7 @@ from specdec.decode import plain_generate
 from specdec.backends.hf import CausalLM
 from specdec.eagle import EagleDraft
 from specdec.eagle_tree import DraftTree, draft_trees
-from specdec.training.eagle import CachedSequence, first_positions, make_batch, unrolled_outputs
+from specdec.training.eagle import CachedSequence, first_positions, make_batch, pair_taps, unrolled_outputs
 from specdec.types import StopConditions
 
 
@@ -39,7 +39,7 @@ def answer_sequence(target: CausalLM, prompt: list[int], answer: list[int],
     the prefill gives the first)."""
     ids = prompt + answer
     out = target.forward(target.new_cache(1), torch.tensor([ids]), want_hidden=True)
-    taps = target.layer_states(torch.tensor([ids]), tap_layers)[0, :-1].to(torch.float16).cpu() if tap_layers else None
+    taps = pair_taps(target, ids, tap_layers) if tap_layers else None
     return CachedSequence(features=out.hidden[0, :-1].to(torch.float16).cpu(),
                           tokens=torch.tensor(ids[1:], dtype=torch.int32),
                           top1=out.logits[0, :-1].argmax(-1).to(torch.int32).cpu(),

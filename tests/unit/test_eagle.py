@@ -831,3 +831,19 @@ def test_a_tap_layers_draft_is_refused_on_a_backend_that_does_not_return_the_lay
                       load_draft=lambda: None, gives_features=True)
     with pytest.raises(FailedPrecondition, match="the hf backend does not return them: run the target on the fast"):
         load_proposer("eagle", env)
+
+
+def test_eagle_eval_scores_each_tap_draft_on_its_own_layers_when_drafts_with_other_layers_are_compared(
+        fast_target, trained_taps_dir):
+    """compare() computes the residuals of every draft's layers once and hands each draft its
+    own: a draft's figures beside a draft with other layers are those it gets alone."""
+    from specdec.training.eagle_eval import compare
+
+    other = load_eagle(trained_taps_dir, fast_target)
+    other.tap_layers = (1,)  # the same weights reading layer 1's residuals: other figures
+    drafts = {"layer 0": load_eagle(trained_taps_dir, fast_target), "layer 1": other}
+    prompts = [("synthetic", p) for p in PROMPTS]
+    together = compare(fast_target, drafts, prompts, max_new_tokens=12, k=3)
+    for name, draft in drafts.items():
+        assert compare(fast_target, {name: draft}, prompts, max_new_tokens=12, k=3)[name] == together[name]
+    assert together["layer 0"]["all"] != together["layer 1"]["all"], "the layers' figures agree: the test shows nothing"
