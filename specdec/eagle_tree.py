@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from specdec.copy_tokens import CopyIndex
 from specdec.eagle import ContextTokens, EagleDraft
 from specdec.backends.fast import FastKVCache
 
@@ -63,12 +64,15 @@ def choose_nodes(scores: Sequence[float], parents: Sequence[int], depths: Sequen
 @torch.inference_mode()
 def draft_trees(draft: EagleDraft, cache: FastKVCache, root_features: torch.Tensor, last_tokens: torch.Tensor,
                 depths: Sequence[int], nodes: Sequence[int], topk: int,
-                extra: Optional[ContextTokens] = None) -> list[DraftTree]:
+                extra: Optional[ContextTokens] = None,
+                copies: Optional[Sequence[CopyIndex]] = None) -> list[DraftTree]:
     """Dynamic trees for B rows (see the module's docstring): cache holds each row's committed
     pairs (the tree's nodes are appended and dropped again before returning), root_features
     [B, H] the draft's predicted feature at each row's last committed position, last_tokens [B]
     the last committed tokens; per row its tree's depth (>= 0) and node budget (>= depth);
-    extra: a context_vocab draft's context tokens (EagleDraft.context_tokens)."""
+    extra: a context_vocab draft's context tokens (EagleDraft.context_tokens); copies: a
+    copy_token draft's per-row index of the committed tokens (each node's pair reads the copy
+    candidate after its path)."""
     batch = root_features.shape[0]
     max_depth = max(depths, default=0)
     if max_depth == 0:
@@ -101,6 +105,7 @@ def draft_trees(draft: EagleDraft, cache: FastKVCache, root_features: torch.Tens
         feats = root_features.new_empty(batch, topk, root_features.shape[-1])
         in_ids = torch.empty(batch, topk, dtype=torch.long)
         prev_ids = torch.empty(batch, topk, dtype=torch.long)
+        copy_ids = None if copies is None else torch.empty(batch, topk, dtype=torch.long)
         for b in range(batch):
             for j, c in enumerate(frontier[b]):
                 p = parent[b][c]
@@ -111,10 +116,16 @@ def draft_trees(draft: EagleDraft, cache: FastKVCache, root_features: torch.Tens
                 feats[b, j] = root_features[b] if p == -1 else feature_of[b][p]
                 in_ids[b, j] = tok[b][c]
                 prev_ids[b, j] = int(last_tokens[b]) if p == -1 else tok[b][p]
+                if copy_ids is not None:
+                    path, a = [tok[b][c]], p
+                    while a != -1:
+                        path.append(tok[b][a])
+                        a = parent[b][a]
+                    copy_ids[b, j] = copies[b].candidate(path[::-1])
                 slot_of[b][c] = slots + j
         positions = (committed[:, None].cpu() + d - 1).expand(batch, topk)
-        out = draft.extend(cache, feats, in_ids, previous_ids=prev_ids, sees=sees, positions=positions,
-                           block_mask=torch.eye(topk, dtype=torch.bool).expand(batch, topk, topk))
+        out = draft.extend(cache, feats, in_ids, previous_ids=prev_ids, copy_ids=copy_ids, sees=sees,
+                           positions=positions, block_mask=torch.eye(topk, dtype=torch.bool).expand(batch, topk, topk))
         assert cache.num_slots == width
         child_ids, child_logp = draft.top_tokens(out, topk, extra)  # [B, K, K]
         child_ids, child_logp = child_ids.cpu(), child_logp.cpu()

@@ -50,6 +50,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from specdec.copy_tokens import CopyIndex
 from specdec.costmodel import VerifyCost, machine_identity, verify_cost_at, worth_including
 from specdec.eagle import EagleDraft, load_eagle, shipped_eagle_path, step_cost
 from specdec.eagle_tree import draft_trees
@@ -197,11 +198,27 @@ class EagleProposer(Proposer):
         self.rows = rows if rows is not None else DraftRows.empty(draft, ())
         self.verify_cost, self.runs_trees, self.depth = verify_cost, runs_trees, depth
         self._confidences: list[list[float]] = []  # per row of the last chain: its kept tokens' confidences
+        self._copies: dict[int, CopyIndex] = {}  # per row id: its committed tokens' n-grams (a copy_token draft's)
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
         """The target layers whose residuals the loop hands over beside the features (the draft's)."""
         return self.draft.tap_layers
+
+    def copy_indexes(self, ctx: ProposeContext) -> Optional[list[CopyIndex]]:
+        """A copy_token draft's: per row, the n-grams of its committed tokens (kept across steps,
+        made again where a row's tokens are not those indexed and more); None for another draft."""
+        if not self.draft.copy_token:
+            return None
+        kept = {}
+        for row, toks in zip(ctx.row_ids, ctx.token_ids):
+            index = self._copies.get(row)
+            if index is None or len(index.ids) > len(toks) or index.ids != list(toks[: len(index.ids)]):
+                index = CopyIndex()
+            index.extend(toks[len(index.ids):])
+            kept[row] = index
+        self._copies = kept
+        return [kept[row] for row in ctx.row_ids]
 
     @torch.inference_mode()
     def catch_up(self, ctx: ProposeContext) -> torch.Tensor:
@@ -216,12 +233,16 @@ class EagleProposer(Proposer):
         rows.cache.truncate(torch.tensor(starts))
         # pair p = (f_p, t_{p+1}) for p = start..L-2 (and t_p, for a draft that reads it)
         feats, ids, valid = pad_pairs(ctx.target_features, [toks[s + 1 :] for toks, s in zip(ctx.token_ids, starts)])
-        previous = None
+        previous = copies = None
         if self.draft.previous_token:
             previous = pad_pairs(ctx.target_features, [toks[s:-1] for toks, s in zip(ctx.token_ids, starts)])[1]
+        indexes = self.copy_indexes(ctx)
+        if indexes is not None:  # pair p's candidate: for t_{p+2}, from t_0..t_{p+1}
+            copies = pad_pairs(ctx.target_features, [index.candidates[s + 1 :] for index, s in zip(indexes, starts)])[1]
         hidden = self.draft.head.shape[1]  # a feature row: [f (H) ; the residuals after the draft's tap layers]
         predicted = self.draft.extend(rows.cache, feats[..., :hidden], ids, valid, previous_ids=previous,
-                                      taps=feats[..., hidden:] if self.draft.tap_layers else None)  # [rows, n, H]
+                                      taps=feats[..., hidden:] if self.draft.tap_layers else None,
+                                      copy_ids=copies)  # [rows, n, H]
         rows.tokens = [list(toks) for toks in ctx.token_ids]
         last = valid.sum(1) - 1  # [rows]
         return predicted[torch.arange(len(starts)), last.to(predicted.device)]
@@ -248,10 +269,17 @@ class EagleProposer(Proposer):
         extra = self.draft.context_tokens(ctx.token_ids)  # a context_vocab draft's context tokens
         predicted = [feature]
         before_tok = [torch.tensor([toks[-1] for toks in ctx.token_ids])]  # the token before the next pair's
+        indexes = [self._copies[r] for r in ctx.row_ids] if self.draft.copy_token else None  # (catch_up's)
+        paths: list[list[int]] = [[] for _ in ctx.k]  # per row: the tokens drafted so far
 
         def feed(tok: torch.Tensor) -> torch.Tensor:
+            copies = None
+            if indexes is not None:
+                for path, t in zip(paths, tok.tolist()):
+                    path.append(int(t))
+                copies = torch.tensor([[index.candidate(path)] for index, path in zip(indexes, paths)])
             predicted[0] = self.draft.extend(self.rows.cache, predicted[0][:, None], tok[:, None],
-                                             previous_ids=before_tok[0][:, None])[:, 0]
+                                             previous_ids=before_tok[0][:, None], copy_ids=copies)[:, 0]
             before_tok[0] = tok
             return self.draft.logits(predicted[0], extra)
 
@@ -259,7 +287,8 @@ class EagleProposer(Proposer):
         if any(n > k for n, k in zip(budgets, ctx.k)):
             self._confidences = []
             last = torch.tensor([toks[-1] for toks in ctx.token_ids])
-            trees = draft_trees(self.draft, self.rows.cache, feature, last, ctx.k, budgets, TREE_TOPK, extra)
+            trees = draft_trees(self.draft, self.rows.cache, feature, last, ctx.k, budgets, TREE_TOPK, extra,
+                                indexes)
             return [Proposal(token_ids=t.token_ids, parents=t.parents if n > k else None)
                     for t, n, k in zip(trees, budgets, ctx.k)]
         # Depth d's confidence: the draft's probability of the chain's tokens before d times its

@@ -134,6 +134,10 @@ def add_train_eagle(tsub: argparse._SubParsersAction) -> None:
                    help="each pair reads the target's residual stream after these decoder layers (0-based) too, "
                         "as EAGLE-3 fuses low and middle layers; drafting then needs the fast backend's target "
                         "(it returns them); with --init from a draft without them, that draft is widened (default: none)")
+    p.add_argument("--copy-token", action="store_true",
+                   help="each pair reads its copy candidate too: the token that followed the latest earlier "
+                        "occurrence of the context's last n-gram (what prompt lookup drafts), so the draft learns "
+                        "when an answer copies; with --init from a draft without it, that draft is widened")
     p.add_argument("--token-weight", type=float, default=d.token_weight,
                    help=f"weight of the token loss (default {d.token_weight})")
     p.add_argument("--feature-weight", type=float, default=d.feature_weight,
@@ -180,7 +184,7 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
     target = load_model(args.target, backend=args.backend)
     recipe = EagleRecipe(vocab=args.vocab, tokens_per_step=args.tokens_per_step, unroll=args.unroll, lr=args.lr,
                          previous_token=args.previous_token, soft_labels=args.soft_labels,
-                         context_vocab=args.context_vocab, tap_layers=args.tap_layers,
+                         context_vocab=args.context_vocab, tap_layers=args.tap_layers, copy_token=args.copy_token,
                          token_weight=args.token_weight, feature_weight=args.feature_weight)
     train_eagle(target.lm, data, args.out, args.work or Path("runs/eagle"), recipe=recipe, init=args.init,
                 target_name=_target_name(args.target),

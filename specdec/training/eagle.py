@@ -17,6 +17,9 @@ Recipe (`EagleRecipe`; the draft itself: specdec.eagle):
    cache (<work>/taps-<max_seq>-<layers>/, the decoder run only as deep as the deepest layer)
    holds them for the sequences with features, those cached by earlier runs first; a run with
    them trains on the sequences that have both. `--init` from a draft without them widens it.
+   With `copy_token` each pair reads its copy candidate (specdec.copy_tokens, computed per batch
+   from the sequence's tokens, at every unrolled step: on the path the target accepts the
+   drafted tokens are the true ones); `--init` from a draft without it widens it.
 3. Loss at pair j: SmoothL1 between the predicted f^_{j+1} and the target's f_{j+1}
    (`feature_weight`, EAGLE's 1.0) + cross-entropy of the subset logits against the target's
    top-1 y_{j+1} (`token_weight`, EAGLE's 0.1; tokens outside the subset carry no token loss).
@@ -54,6 +57,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tqdm import tqdm
 
+from specdec.copy_tokens import NONE, copy_candidates
 from specdec.eagle import (VOCAB_FILE, WEIGHTS_FILE, EagleDraft, build_eagle, fc_inputs, is_eagle_dir, save_eagle,
                            widen_fc)
 from specdec.errors import InvalidRequest
@@ -80,12 +84,14 @@ class EagleRecipe:
     soft_labels: bool = False  # token loss against the target's distribution over the subset, not its top-1
     context_vocab: bool = False  # the context's tokens are draftable too (specdec.eagle: copying rare tokens)
     tap_layers: tuple[int, ...] = ()  # pairs read these target layers' residuals too (specdec.eagle; EAGLE-3's fusion)
+    copy_token: bool = False  # pairs read their copy candidate too (specdec.copy_tokens: what prompt lookup drafts)
 
 
 def same_recipe(saved: dict, recipe: EagleRecipe) -> bool:
     """Whether a recipe stored by a run (its dict; keys added since take their old meaning)
     is `recipe`."""
-    full = {"previous_token": False, "soft_labels": False, "context_vocab": False, "tap_layers": (), **saved}
+    full = {"previous_token": False, "soft_labels": False, "context_vocab": False, "tap_layers": (),
+            "copy_token": False, **saved}
     return {**full, "tap_layers": tuple(full["tap_layers"])} == asdict(recipe)  # (JSON keeps a list)
 
 
@@ -130,6 +136,8 @@ class Batch:
     judged: torch.Tensor  # [B, W] bool: has_target and predicts an answer token (agreement)
     vocab_ids: Optional[torch.Tensor] = None  # [E] long: a context batch's draftable tokens, the subset's first
     taps: Optional[torch.Tensor] = None  # [B, W, n * H] float32, where the sequences have them
+    # copies: pair j's copy candidate (for t_{j+2}, from t_0..t_{j+1}; specdec.copy_tokens), -1 none or padding
+    copies: Optional[torch.Tensor] = None  # [B, W] long
 
 
 # --- data -------------------------------------------------------------------------------------
@@ -206,6 +214,7 @@ def make_batch(seqs: Sequence[CachedSequence], to_subset: torch.Tensor, context_
     has_target = torch.zeros(len(seqs), width, dtype=torch.bool)
     judged = torch.zeros(len(seqs), width, dtype=torch.bool)
     taps = None if seqs[0].taps is None else torch.zeros(len(seqs), width, seqs[0].taps.shape[1])
+    copies = torch.full((len(seqs), width), NONE, dtype=torch.long)
     for b, s in enumerate(seqs):
         m = len(s.tokens)
         feats[b, :m] = s.features.float()
@@ -217,9 +226,10 @@ def make_batch(seqs: Sequence[CachedSequence], to_subset: torch.Tensor, context_
         labels[b, : m - 1] = (context_labels(s, to_vocab, len(subset_ids)) if context_vocab
                               else to_subset[s.top1[1:].long()])
         valid[b, :m] = True
+        copies[b, :m] = torch.tensor(copy_candidates([s.first, *s.tokens.tolist()])[1:], dtype=torch.long)
         has_target[b, : m - 1] = True
         judged[b, s.eval_from : m - 1] = True
-    return Batch(feats, tokens, previous, valid, labels, has_target, judged, vocab_ids, taps)
+    return Batch(feats, tokens, previous, valid, labels, has_target, judged, vocab_ids, taps, copies)
 
 
 # --- the unrolled loss ------------------------------------------------------------------------
@@ -247,11 +257,14 @@ def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def unrolled_outputs(draft: EagleDraft, features: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
                      unroll: int, previous: Optional[torch.Tensor] = None,
-                     taps: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+                     taps: Optional[torch.Tensor] = None, copies: Optional[torch.Tensor] = None
+                     ) -> list[torch.Tensor]:
     """The draft's predicted features at every unroll step: features [B, W, H] (true f_j),
     tokens [B, W] (t_{j+1}), valid [B, W], previous [B, W] (t_j; read by a previous_token
     draft), taps [B, W, n * H] (the target's residuals at j; read by a tap_layers draft at
-    step 0 only: a drafted pair has none) -> [out_0, ..., out_{unroll-1}], each [B, W, H]; out_s
+    step 0 only: a drafted pair has none), copies [B, W] (pair j's copy candidate from
+    t_0..t_{j+1}; read by a copy_token draft at every step: on the path the target accepts the
+    drafted tokens are the true ones) -> [out_0, ..., out_{unroll-1}], each [B, W, H]; out_s
     at j is the draft's f^_{j+1} at drafting depth s + 1 (its input at j: f_j for s = 0, else
     out_{s-1} at j - 1; undefined for j < s)."""
     from transformers import DynamicCache
@@ -262,7 +275,7 @@ def unrolled_outputs(draft: EagleDraft, features: torch.Tensor, tokens: torch.Te
     inputs, outs = features, []
     for s in range(unroll):
         outs.append(draft(inputs, tokens, additive(unroll_mask(valid, s), draft.dtype), positions, cache,
-                          previous_ids=previous, taps=taps if s == 0 else None))
+                          previous_ids=previous, taps=taps if s == 0 else None, copy_ids=copies))
         inputs = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], dim=1)  # step s+1 reads f^_j at j
     return outs
 
@@ -280,7 +293,8 @@ def unrolled_loss(draft: EagleDraft, batch: Batch, recipe: EagleRecipe
     feats, width = batch.features, batch.features.shape[1]
     target = torch.cat([feats[:, 1:], torch.zeros_like(feats[:, :1])], dim=1)  # [B, W, H]: f_{j+1} at j
     total, agreement = feats.new_zeros(()), []
-    outs = unrolled_outputs(draft, feats, batch.tokens, batch.valid, recipe.unroll, batch.previous, batch.taps)
+    outs = unrolled_outputs(draft, feats, batch.tokens, batch.valid, recipe.unroll, batch.previous, batch.taps,
+                            batch.copies)
     for s, out in enumerate(outs):
         use = batch.has_target & (torch.arange(width) >= s)[None]  # [B, W]; step s has inputs from j = s
         pred, labels = out[use], batch.labels[use]  # [N, H], [N]
@@ -368,9 +382,19 @@ def init_weights(init_dir: Path, recipe: EagleRecipe) -> tuple[torch.Tensor, dic
     hidden = int(meta["hidden_size"])
     if recipe.previous_token and not had_previous:
         weights = widen_fc(weights, hidden)
+    had_copy = bool(meta.get("copy_token", False))
+    if had_copy and not recipe.copy_token:
+        raise InvalidRequest(f"--init {init_dir} reads each pair's copy candidate: train with --copy-token")
+    if had_copy and (recipe.previous_token and not had_previous or recipe.tap_layers and not had_taps):
+        raise InvalidRequest(f"--init {init_dir} reads copy candidates: it cannot be widened to read the previous "
+                             "token or tap layers too (their columns come before the candidate's)")
     if recipe.tap_layers and not had_taps:
         weights = widen_fc(weights, hidden, fc_inputs(recipe.previous_token, 0),
                            fc_inputs(recipe.previous_token, len(recipe.tap_layers)))
+    if recipe.copy_token and not had_copy:
+        taps = len(recipe.tap_layers)
+        weights = widen_fc(weights, hidden, fc_inputs(recipe.previous_token, taps),
+                           fc_inputs(recipe.previous_token, taps, True))
     return torch.tensor(meta["token_ids"], dtype=torch.long), weights
 
 
@@ -489,8 +513,8 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
         f"draftable vocabulary {len(token_ids)}")
 
     # 2. the draft, the optimizer, the checkpoint.
-    draft = build_eagle(target, token_ids, previous_token=recipe.previous_token,
-                        context_vocab=recipe.context_vocab, tap_layers=recipe.tap_layers).float().train()
+    draft = build_eagle(target, token_ids, previous_token=recipe.previous_token, context_vocab=recipe.context_vocab,
+                        tap_layers=recipe.tap_layers, copy_token=recipe.copy_token).float().train()
     opt = torch.optim.AdamW(draft.parameters(), lr=recipe.lr, weight_decay=0.0)
     if saved is not None:
         draft.load_state_dict(saved["draft"])

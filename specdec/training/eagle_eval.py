@@ -25,6 +25,7 @@ import torch
 
 from specdec.decode import plain_generate
 from specdec.backends.hf import CausalLM
+from specdec.copy_tokens import CopyIndex, copy_candidates
 from specdec.eagle import EagleDraft
 from specdec.eagle_tree import DraftTree, draft_trees
 from specdec.training.eagle import CachedSequence, first_positions, make_batch, pair_taps, unrolled_outputs
@@ -80,7 +81,7 @@ def chain_figures(draft: EagleDraft, seq: CachedSequence, k: int) -> tuple[list[
     to_subset[draft.token_ids] = torch.arange(len(draft.token_ids))
     batch = make_batch([seq], to_subset, draft.context_vocab)
     outs = unrolled_outputs(draft, batch.features.to(draft.dtype), batch.tokens, batch.valid, k, batch.previous,
-                            batch.taps)
+                            batch.taps, batch.copies)
     if batch.vocab_ids is None:
         picks = [draft.subset_logits(o[0]).argmax(-1) for o in outs]
     else:  # step s at j: the chain after pair j - s, whose context is t_0..t_{j-s+1}
@@ -130,6 +131,12 @@ def tree_accepted(tree: DraftTree, following: Sequence[int]) -> int:
     return accepted
 
 
+def copy_index(ids: Sequence[int]) -> CopyIndex:
+    index = CopyIndex()
+    index.extend(ids)
+    return index
+
+
 @torch.inference_mode()
 def tree_figures(draft: EagleDraft, seq: CachedSequence, shape: TreeShape, rows: int = 32) -> tuple[int, int]:
     """(tokens accepted, trees counted): a dynamic tree drafted, as decoding drafts it, after every
@@ -140,8 +147,8 @@ def tree_figures(draft: EagleDraft, seq: CachedSequence, shape: TreeShape, rows:
     pairs = len(ids) - 1  # (f_j, t_{j+1}) for j = 0..len - 2
     whole = draft.new_cache(1)
     out = draft.extend(whole, seq.features[None].to(draft.dtype), torch.tensor([ids[1:]]),
-                       previous_ids=torch.tensor([ids[:-1]]),
-                       taps=None if seq.taps is None else seq.taps[None])[0]  # [pairs, H]: out[j] = f^_{j+1}
+                       previous_ids=torch.tensor([ids[:-1]]), taps=None if seq.taps is None else seq.taps[None],
+                       copy_ids=torch.tensor([copy_candidates(ids)[1:]]))[0]  # [pairs, H]: out[j] = f^_{j+1}
     starts = list(range(seq.eval_from + 2, len(ids)))
     accepted = 0
     for at in range(0, len(starts), rows):
@@ -152,7 +159,8 @@ def tree_figures(draft: EagleDraft, seq: CachedSequence, shape: TreeShape, rows:
                             torch.arange(pairs)[None, :] < torch.tensor([L - 1 for L in part])[:, None])
         trees = draft_trees(draft, cache, out[[L - 2 for L in part]], torch.tensor([ids[L - 1] for L in part]),
                             [shape.depth] * len(part), [shape.nodes] * len(part), shape.topk,
-                            draft.context_tokens([ids[:L] for L in part]))
+                            draft.context_tokens([ids[:L] for L in part]),
+                            [copy_index(ids[:L]) for L in part] if draft.copy_token else None)
         accepted += sum(tree_accepted(t, ids[L: L + shape.depth]) for t, L in zip(trees, part))
     return accepted, len(starts)
 

@@ -147,13 +147,16 @@ def small_vocab_target():
     (SamplingParams(temperature=0.8, top_k=4, top_p=0.9, seed=12), [0, 2, 3, 5], False, False),
     (SamplingParams(temperature=1.0, seed=13), range(VOCAB), True, False),
     (SamplingParams(temperature=1.0, seed=14), [0, 4], True, True),  # the prompt's 1, 2, 3 draftable too
+    (SamplingParams(temperature=1.0, seed=15), range(VOCAB), "copy", False),  # pairs read copy candidates
 ])
 def test_eagle_sampling_matches_target_distribution(small_vocab_target, sampling, subset, previous_token,
                                                     context_vocab):
     """subset: the tokens the draft may propose (the others have draft probability 0);
-    context_vocab: and those of each row's context."""
+    context_vocab: and those of each row's context; previous_token "copy": a draft reading the
+    previous token and each pair's copy candidate."""
     lm = small_vocab_target
-    draft = build_eagle(lm, torch.tensor(list(subset)), previous_token=previous_token, context_vocab=context_vocab)
+    draft = build_eagle(lm, torch.tensor(list(subset)), previous_token=bool(previous_token),
+                        context_vocab=context_vocab, copy_token=previous_token == "copy")
     results = speculative_generate(lm, EagleProposer(draft), [PROMPT] * ROWS, sampling=sampling,
                                    stop=StopConditions(max_new_tokens=3), k=3)
     assert sum(r.stats.accepted for r in results) > 0, "the draft never got accepted: the test checks nothing"
@@ -599,44 +602,59 @@ def test_a_tree_keeps_the_chain_then_the_best_scored_nodes_whose_parents_it_hold
     assert choose_nodes([-1.0, -1.0, -1.0], [-1, 0, 1], [1, 2, 3], [0], nodes=3, depth=3) == [0, 1, 2]
 
 
-def _path_top(draft, committed_cache, root, last, path, topk):
-    """The draft's top-k after the path's tokens, drafted as a chain on a copy of the cache."""
+def _path_top(draft, committed_cache, root, last, path, topk, index=None):
+    """The draft's top-k after the path's tokens, drafted as a chain on a copy of the cache (a
+    copy_token draft's pairs reading the candidates index gives after each path prefix)."""
     cache = copy.deepcopy(committed_cache)
     feature, before = root, last
-    for tok in path:
-        feature = draft.extend(cache, feature[None, None], torch.tensor([[tok]]), previous_ids=torch.tensor([[before]]))[0, 0]
+    for i, tok in enumerate(path):
+        copies = None if index is None else torch.tensor([[index.candidate(path[: i + 1])]])
+        feature = draft.extend(cache, feature[None, None], torch.tensor([[tok]]), previous_ids=torch.tensor([[before]]),
+                               copy_ids=copies)[0, 0]
         before = tok
     return draft.top_tokens(feature, topk)[0].tolist()
 
 
-@pytest.mark.parametrize("prev", [False, True])
+@pytest.mark.parametrize("prev", [False, True, "copy"])
 def test_a_dynamic_tree_holds_the_chain_and_each_node_is_among_its_path_s_top_candidates(
-        tiny_target, trained_dir, trained_prev_dir, prev):
+        tiny_target, trained_dir, trained_prev_dir, trained_copy_dir, prev):
     """Every node of a drafted tree is what drafting its path as a chain would rank among the
     top-k (the tree's attention mask and positions give each node its own path's context), the
     greedy chain is in it, it has as many nodes as asked, and the cache is left as it was."""
+    from specdec.copy_tokens import NONE, CopyIndex
     from specdec.eagle_tree import draft_trees
 
-    draft = load_eagle(trained_prev_dir if prev else trained_dir, tiny_target, target_name=tiny_target.name).float()
+    path = {False: trained_dir, True: trained_prev_dir, "copy": trained_copy_dir}[prev]
+    draft = load_eagle(path, tiny_target, target_name=tiny_target.name).float()
     gen = torch.Generator().manual_seed(0)
     hidden = draft.head.shape[1]
-    rows = [[5, 17, 33, 2, 40, 8], [9, 9, 60, 12]]
+    if draft.copy_token:  # the candidates weigh much more: a node reading another path's shows
+        with torch.no_grad():
+            draft.fc.weight[:, -hidden:] *= 30
+    rows = [[5, 17, 33, 2, 40, 8, 33, 2], [9, 9, 60, 12, 9]]
+    indexes = [CopyIndex() for _ in rows]
+    for index, r in zip(indexes, rows):
+        index.extend(r)
     cache = draft.new_cache(2)
     n = max(len(r) for r in rows) - 1
     feats = torch.randn(2, n, hidden, generator=gen)
     ids = torch.zeros(2, n, dtype=torch.long)
     prevs = torch.zeros(2, n, dtype=torch.long)
     valid = torch.zeros(2, n, dtype=torch.bool)
+    copies = torch.full((2, n), NONE, dtype=torch.long)
     for b, r in enumerate(rows):
         ids[b, : len(r) - 1], prevs[b, : len(r) - 1], valid[b, : len(r) - 1] = torch.tensor(r[1:]), torch.tensor(r[:-1]), True
-    out = draft.extend(cache, feats, ids, valid, previous_ids=prevs)
+        copies[b, : len(r) - 1] = torch.tensor(indexes[b].candidates[1:])
+    out = draft.extend(cache, feats, ids, valid, previous_ids=prevs, copy_ids=copies)
     roots = torch.stack([out[b, len(r) - 2] for b, r in enumerate(rows)])
     last = torch.tensor([r[-1] for r in rows])
     before = (cache.valid.clone(), cache.num_slots)
     per_row = [copy.deepcopy(cache) for _ in rows]
     for b in range(2):
         per_row[b].select_rows(torch.tensor([b]))
-    trees = draft_trees(draft, cache, roots, last, depths=[4, 3], nodes=[12, 7], topk=3)
+    index_of = indexes if draft.copy_token else [None, None]
+    trees = draft_trees(draft, cache, roots, last, depths=[4, 3], nodes=[12, 7], topk=3,
+                        copies=indexes if draft.copy_token else None)
     assert torch.equal(cache.valid, before[0]) and cache.num_slots == before[1]
     for b, (tree, depth, nodes) in enumerate(zip(trees, [4, 3], [12, 7])):
         assert len(tree.token_ids) == nodes and max(tree.depths) <= depth
@@ -644,11 +662,11 @@ def test_a_dynamic_tree_holds_the_chain_and_each_node_is_among_its_path_s_top_ca
         for i, p in enumerate(tree.parents):
             assert p < i and tree.depths[i] == (1 if p == -1 else tree.depths[p] + 1)
             paths.append(([] if p == -1 else paths[p]) + [tree.token_ids[i]])
-            top = _path_top(draft, per_row[b], roots[b], int(last[b]), paths[i][:-1], 3)
+            top = _path_top(draft, per_row[b], roots[b], int(last[b]), paths[i][:-1], 3, index_of[b])
             assert tree.token_ids[i] in top
         chain = []
         for _ in range(depth):
-            chain.append(_path_top(draft, per_row[b], roots[b], int(last[b]), chain, 1)[0])
+            chain.append(_path_top(draft, per_row[b], roots[b], int(last[b]), chain, 1, index_of[b])[0])
         assert chain in paths
 
 
@@ -847,3 +865,137 @@ def test_eagle_eval_scores_each_tap_draft_on_its_own_layers_when_drafts_with_oth
     for name, draft in drafts.items():
         assert compare(fast_target, {name: draft}, prompts, max_new_tokens=12, k=3)[name] == together[name]
     assert together["layer 0"]["all"] != together["layer 1"]["all"], "the layers' figures agree: the test shows nothing"
+
+
+# --- copy candidates (copy_token) ------------------------------------------------------------
+
+def test_copy_candidates_are_what_prompt_lookup_drafts_one_token_deep_committed_or_drafted():
+    """copy_candidates(ids)[i] is the first token prompt lookup drafts after ids[: i + 1]; the
+    index drafting keeps gives the same after committed tokens plus any drafted path."""
+    from specdec.copy_tokens import NONE, CopyIndex, copy_candidates
+    from specdec.proposers.prompt_lookup import find_continuation
+
+    assert copy_candidates([5, 6, 7, 5, 6]) == [NONE, NONE, NONE, 6, 7]
+    rng = random.Random(0)
+    for _ in range(400):
+        ids = [rng.randrange(rng.randint(1, 6)) for _ in range(rng.randint(1, 24))]
+        want = [(find_continuation(ids[: i + 1], 1) or (NONE,))[0] for i in range(len(ids))]
+        assert copy_candidates(ids) == want, ids
+        cut = rng.randint(1, len(ids))
+        index = CopyIndex()
+        index.extend(ids[:cut])
+        for end in range(cut, len(ids) + 1):
+            assert index.candidate(ids[cut:end]) == want[end - 1], (ids, cut, end)
+
+
+@pytest.fixture(scope="module")
+def trained_copy_dir(tiny_target, data_dir, trained_prev_dir, tmp_path_factory):
+    """A copy_token draft: trained_prev_dir's widened (--init) and trained on."""
+    root = tmp_path_factory.mktemp("eagle-copy")
+    train_eagle(tiny_target, [data_dir], root / "draft", root / "work", init=trained_prev_dir, max_steps=60,
+                recipe=replace(RECIPE, previous_token=True, copy_token=True), log=lambda _: None)
+    return root / "draft"
+
+
+def test_a_copy_token_draft_starts_as_the_draft_it_widens_and_reads_the_candidate_once_trained(
+        tiny_target, data_dir, trained_prev_dir, trained_copy_dir, tmp_path):
+    recipe = replace(RECIPE, previous_token=True, copy_token=True)
+    train_eagle(tiny_target, [data_dir], tmp_path / "d", tmp_path / "w", recipe=recipe, init=trained_prev_dir,
+                max_steps=0, log=lambda _: None)
+    narrow = load_eagle(trained_prev_dir, tiny_target, drafting_dtype=torch.float32)
+    wide = load_eagle(tmp_path / "d", tiny_target, drafting_dtype=torch.float32)
+    trained = load_eagle(trained_copy_dir, tiny_target, drafting_dtype=torch.float32)
+    assert wide.copy_token and trained.copy_token and not narrow.copy_token
+    feats, ids = torch.randn(2, 5, 48), torch.tensor([[5, 6, 7, 8, 9], [3, 3, 4, 4, 5]])
+    prev, copies = torch.randint(0, 96, (2, 5)), torch.randint(-1, 96, (2, 5))
+    torch.testing.assert_close(wide.extend(wide.new_cache(2), feats, ids, previous_ids=prev, copy_ids=copies),
+                               narrow.extend(narrow.new_cache(2), feats, ids, previous_ids=prev))
+    with pytest.raises(ValueError, match="copy_ids"):
+        wide.extend(wide.new_cache(2), feats, ids, previous_ids=prev)
+    a = trained.extend(trained.new_cache(2), feats, ids, previous_ids=prev, copy_ids=copies)
+    b = trained.extend(trained.new_cache(2), feats, ids, previous_ids=prev, copy_ids=(copies + 2) % 96)
+    assert (a - b).abs().max() > 1e-3
+    # no candidate (-1) reads zeros, not some token's embedding
+    none = trained.extend(trained.new_cache(2), feats, ids, previous_ids=prev, copy_ids=torch.full((2, 5), -1))
+    x = torch.cat([feats, trained.embed[ids], trained.embed[prev], torch.zeros(2, 5, 48)], dim=-1)
+    ref = trained.layer(trained.fc(x), attention_mask=None, position_ids=torch.arange(5).expand(2, 5),
+                        position_embeddings=trained.rotary(x, torch.arange(5).expand(2, 5)))
+    torch.testing.assert_close(none, ref, atol=1e-4, rtol=1e-4)
+    with pytest.raises(InvalidRequest, match="--copy-token"):  # an init that reads candidates needs them
+        train_eagle(tiny_target, [data_dir], tmp_path / "e", tmp_path / "we", init=trained_copy_dir, max_steps=0,
+                    recipe=replace(RECIPE, previous_token=True))
+
+
+def test_unrolled_training_reads_the_copy_candidates_drafting_reads_at_every_depth(tiny_target):
+    """Step s at j equals drafting's chain after the true pairs up to j - s, each drafted pair
+    reading the candidate after the committed tokens and the path drafted so far (CopyIndex)."""
+    from specdec.copy_tokens import CopyIndex
+    from specdec.training.eagle import CachedSequence
+
+    torch.manual_seed(0)
+    draft = build_eagle(tiny_target, torch.arange(96), previous_token=True, copy_token=True)
+    ids = [5, 17, 5, 17, 40, 5, 17, 40, 60]
+    feats = tiny_target.forward(tiny_target.new_cache(1), torch.tensor([ids]), want_hidden=True).hidden
+    tokens, before = torch.tensor([ids[1:]]), torch.tensor([ids[:-1]])
+    seq = CachedSequence(features=feats[0, :8].half(), tokens=tokens[0].int(), top1=tokens[0].int(), eval_from=0,
+                         first=ids[0])
+    copies = make_batch([seq], torch.arange(96)).copies  # what training reads
+    assert (copies >= 0).sum() >= 4
+    with torch.no_grad():
+        outs = unrolled_outputs(draft, feats[:, :8], tokens, torch.ones(1, 8, dtype=torch.bool), unroll=3,
+                                previous=before, copies=copies)
+    for s in range(3):
+        for j in range(s, 8):
+            n = j - s + 1  # true pairs 0..j - s: committed ids[: n + 1]
+            index = CopyIndex()
+            index.extend(ids[: n + 1])
+            cache = draft.new_cache(1)
+            f = draft.extend(cache, feats[:, :n], tokens[:, :n], previous_ids=before[:, :n],
+                             copy_ids=torch.tensor([index.candidates[1:]]))[:, -1]
+            for d in range(1, s + 1):
+                path = ids[n + 1 : n + 1 + d]
+                f = draft.extend(cache, f[:, None], torch.tensor([[path[-1]]]),
+                                 previous_ids=torch.tensor([[ids[n + d - 1]]]),
+                                 copy_ids=torch.tensor([[index.candidate(path)]]))[:, 0]
+            torch.testing.assert_close(outs[s][0, j], f[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["hf", "fast", "llamacpp"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_copy_token_draft_is_lossless_and_drafts_from_the_candidates_of_its_context(
+        tiny_target, targets, trained_copy_dir, backend, k):
+    """Greedy equals plain decoding; each step drafts what the draft computes from scratch with
+    every pair's candidate taken from the committed tokens and the chain drafted before it."""
+    from specdec.copy_tokens import copy_candidates
+
+    target = targets[backend]
+    draft = load_eagle(trained_copy_dir, target, target_name=tiny_target.name)
+    proposer = RecordingEagle(draft)
+    prompts = PROMPTS + [[7, 8, 9, 7, 8, 9, 7, 8]]
+    got = check_greedy(target, proposer, prompts, StopConditions(max_new_tokens=25), k)
+    assert sum(g.stats.accepted for g in got) > 0
+    features: dict[int, list[torch.Tensor]] = {}
+    for ctx, proposals in proposer.calls:
+        for row, toks, feats, prop in zip(ctx.row_ids, ctx.token_ids, ctx.target_features, proposals):
+            features.setdefault(row, []).append(feats)
+            pairs = torch.cat(features[row])[None]
+            cache = draft.new_cache(1)
+            f = draft.extend(cache, pairs, torch.tensor([toks[1:]]), previous_ids=torch.tensor([toks[:-1]]),
+                             copy_ids=torch.tensor([copy_candidates(toks)[1:]]))[:, -1]
+            seq = list(toks)
+            for token in prop.token_ids:
+                logits = draft.logits(f)[0]
+                assert float(logits.max() - logits[token]) < 1e-4, (row, len(toks))
+                seq.append(token)
+                f = draft.extend(cache, f[:, None], torch.tensor([[token]]), previous_ids=torch.tensor([[seq[-2]]]),
+                                 copy_ids=torch.tensor([[copy_candidates(seq)[-1]]]))[:, 0]
+
+
+@pytest.mark.parametrize("backend", ["hf", "fast"])
+def test_a_copy_token_draft_s_trees_are_lossless_and_hold_its_chain(tiny_target, targets, trained_copy_dir, backend):
+    target = targets[backend]
+    draft = load_eagle(trained_copy_dir, target, target_name=tiny_target.name)
+    stop = StopConditions(max_new_tokens=25)
+    chain = check_greedy(target, EagleProposer(draft), PROMPTS, stop, 4)
+    tree = check_greedy(target, EagleProposer(draft, verify_cost=GPU_LIKE_COST, runs_trees=True), PROMPTS, stop, 4)
+    assert sum(r.stats.accepted for r in tree) >= sum(r.stats.accepted for r in chain) > 0
