@@ -148,7 +148,7 @@ def tree_figures(draft: EagleDraft, seq: CachedSequence, shape: TreeShape, rows:
     whole = draft.new_cache(1)
     out = draft.extend(whole, seq.features[None].to(draft.dtype), torch.tensor([ids[1:]]),
                        previous_ids=torch.tensor([ids[:-1]]), taps=None if seq.taps is None else seq.taps[None],
-                       copy_ids=torch.tensor([copy_candidates(ids)[1:]]))[0]  # [pairs, H]: out[j] = f^_{j+1}
+                       copy_ids=torch.tensor([copy_candidates(ids)[1:]]) if draft.copy_token else None)[0]  # [pairs, H]: out[j] = f^_{j+1}
     starts = list(range(seq.eval_from + 2, len(ids)))
     accepted = 0
     for at in range(0, len(starts), rows):
