@@ -288,8 +288,11 @@ class EagleDraft(torch.nn.Module):
 
     def cost_identity(self) -> dict:
         """What a drafting step's cost depends on besides the machine and the target (the key of
-        its measured c in the cost store): how drafting runs and in which dtype."""
-        return {"impl": "fast.decoder_layer", "dtype": str(self.drafting_dtype or self.dtype)}
+        its measured c in the cost store): how drafting runs, in which dtype, and the shapes a
+        step's cost grows with (the fc's inputs, the subset head's rows), so that another draft
+        in the same directory (a newer shipped one, one widened by --init) is measured anew."""
+        return {"impl": "fast.decoder_layer", "dtype": str(self.drafting_dtype or self.dtype),
+                "fc_inputs": int(self.fc.in_features), "head_rows": int(self.token_ids.numel())}
 
     def new_cache(self, batch_size: int) -> FastKVCache:
         return FastKVCache(batch_size, 1, self.shape.kv_heads, self.shape.head_dim, self.dtype, self.device)

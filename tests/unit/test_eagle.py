@@ -999,3 +999,26 @@ def test_a_copy_token_draft_s_trees_are_lossless_and_hold_its_chain(tiny_target,
     chain = check_greedy(target, EagleProposer(draft), PROMPTS, stop, 4)
     tree = check_greedy(target, EagleProposer(draft, verify_cost=GPU_LIKE_COST, runs_trees=True), PROMPTS, stop, 4)
     assert sum(r.stats.accepted for r in tree) >= sum(r.stats.accepted for r in chain) > 0
+
+
+def test_a_draft_of_another_shape_in_the_same_directory_gets_its_own_measured_cost(tiny_target):
+    """The stored c is keyed by what a step's cost grows with: a newer shipped draft that reads
+    more inputs (or drafts a larger subset) is measured anew, not charged the older one's c."""
+    from specdec.proposers.eagle import eagle_cost
+    from tests.conftest import FixedCosts
+
+    keys = []
+
+    class Costs(FixedCosts):  # records the keys it is asked for, measures nothing
+        def figure(self, key, what, measure, timed=True):
+            keys.append(key)
+            return 0.1
+
+    costs = Costs(GPU_LIKE_COST)
+    shapes = [dict(), dict(previous_token=True), dict(previous_token=True, copy_token=True)]
+    for kw in shapes:
+        eagle_cost(costs, build_eagle(tiny_target, torch.arange(96), **kw), tiny_target, None)
+    eagle_cost(costs, build_eagle(tiny_target, torch.arange(64)), tiny_target, None)
+    eagle_cost(costs, build_eagle(tiny_target, torch.arange(96)), tiny_target, None)  # the first's shape again
+    assert len({json.dumps(k, sort_keys=True) for k in keys}) == 4
+    assert keys[0] == keys[-1]
