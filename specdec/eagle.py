@@ -170,15 +170,16 @@ class EagleDraft(torch.nn.Module):
         self.register_buffer("embed", embed.detach(), persistent=False)  # [vocab, H]
         self.register_buffer("head", head.detach(), persistent=False)  # [subset, H]
         self.register_buffer("token_ids", token_ids.long(), persistent=False)  # [subset]
-        # The target's whole output layer [vocab, H], held by a context_vocab draft only (what it
-        # scores the context's tokens outside the subset with; another holds the subset's rows).
+        # The target's whole output layer [vocab, H], held by a context_vocab or copy_token draft
+        # only (what it scores the context's tokens, or the copy candidate, outside the subset
+        # with; another holds the subset's rows).
         self.register_buffer("output", None if output is None else output.detach(), persistent=False)
         self.context_vocab = context_vocab
         in_subset = torch.zeros(self.vocab_size, dtype=torch.bool, device=token_ids.device)
         in_subset[token_ids] = True
         self.register_buffer("in_subset", in_subset, persistent=False)  # [vocab]
-        if context_vocab and output is None:
-            raise ValueError("a context_vocab draft needs the target's output layer (output=)")
+        if (context_vocab or copy_token) and output is None:
+            raise ValueError("a context_vocab or copy_token draft needs the target's output layer (output=)")
         self.shape = LayerShape(config)
         self.drafting_dtype = drafting_dtype
         self._drafting: Optional[_DraftingWeights] = None  # made from the parameters on demand (drafting())
@@ -252,11 +253,29 @@ class EagleDraft(torch.nn.Module):
         """features [..., H] -> logits over the subset [..., subset]."""
         return features @ self.head.T
 
+    def copy_logits(self, features: torch.Tensor, copies: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy_token draft's copy candidates as drafted tokens beside its subset: features
+        [..., H], copies [...] (the candidate for the token each feature predicts, NONE where
+        none) -> (ids [..., 1], -1 where none or inside the subset (it has its logit there);
+        logits [..., 1] by the target's output row, -inf at -1)."""
+        copies = copies.to(self.in_subset.device).long()
+        ids = copies.masked_fill((copies < 0) | self.in_subset[copies.clamp_min(0)], -1)
+        rows = self.output[ids.clamp_min(0)]  # [..., H]
+        score = (features.float() * rows.to(features.device).float()).sum(-1, keepdim=True)
+        return ids[..., None], score.masked_fill(ids[..., None] < 0, float("-inf"))
+
     @torch.inference_mode()
-    def logits(self, features: torch.Tensor, extra: Optional[ContextTokens] = None) -> torch.Tensor:
+    def logits(self, features: torch.Tensor, extra: Optional[ContextTokens] = None,
+               copies: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Drafting: features [..., H] -> full-vocabulary logits [..., vocab], -inf outside the subset
-        (and extra's tokens, for features [B, ..., H])."""
+        (and extra's tokens, for features [B, ..., H]; and the copy candidates `copies` [...] of a
+        copy_token draft without extra: its context's tokens hold them)."""
         sub = linear_rows(features, self.drafting().head)
+        if copies is not None and extra is None:
+            ids, score = self.copy_logits(features, copies)
+            full = scatter_subset_logits(sub, self.token_ids, self.vocab_size + 1)  # the last column takes -1's
+            return full.scatter_(-1, ids.masked_fill(ids < 0, self.vocab_size), score.to(full.dtype))[
+                ..., : self.vocab_size]
         if extra is None or extra.ids.shape[1] == 0:
             return scatter_subset_logits(sub, self.token_ids, self.vocab_size)
         # one more column takes the pads' scores, then goes
@@ -313,12 +332,19 @@ class EagleDraft(torch.nn.Module):
         return self._drafting
 
     @torch.inference_mode()
-    def top_tokens(self, features: torch.Tensor, k: int,
-                   extra: Optional[ContextTokens] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def top_tokens(self, features: torch.Tensor, k: int, extra: Optional[ContextTokens] = None,
+                   copies: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafting: features [..., H] -> the k likeliest tokens (ids [..., k], best first) and their
         log-probabilities [..., k] (float32), over the subset and extra's tokens (for features
-        [B, ..., H]); the others have none."""
+        [B, ..., H]), or the subset and the copy candidates `copies` [...] (as logits); the
+        others have none."""
         sub = linear_rows(features, self.drafting().head).float()
+        if copies is not None and extra is None:
+            ids, score = self.copy_logits(features, copies)
+            scores = torch.cat([sub, score], dim=-1)  # [..., subset + 1]
+            top = scores.topk(k, dim=-1)
+            table = torch.cat([self.token_ids.expand(*ids.shape[:-1], -1), ids], dim=-1)
+            return table.gather(-1, top.indices), top.values - torch.logsumexp(scores, dim=-1, keepdim=True)
         if extra is None or extra.ids.shape[1] == 0:
             top = sub.topk(k, dim=-1)
             return self.token_ids[top.indices], top.values - torch.logsumexp(sub, dim=-1, keepdim=True)
@@ -368,7 +394,7 @@ def build_eagle(target, token_ids: torch.Tensor, previous_token: bool = False,
     token_ids [subset], in the target's dtype and on its device."""
     embed, out = target.embedding_tables()
     draft = EagleDraft(eagle_config(target.config), embed, out.detach()[token_ids.to(out.device)], token_ids,
-                       previous_token=previous_token, output=out if context_vocab else None,
+                       previous_token=previous_token, output=out if context_vocab or copy_token else None,
                        context_vocab=context_vocab, tap_layers=tap_layers, copy_token=copy_token)
     return draft.to(device=embed.device, dtype=embed.dtype).eval()
 
@@ -443,11 +469,12 @@ def load_eagle(path: Path, target, target_name: Optional[str] = None,
     config = AutoConfig.from_pretrained(path, attn_implementation="sdpa")
     token_ids = torch.tensor(info["token_ids"], dtype=torch.long)
     context_vocab = bool(info.get("context_vocab", False))
+    copy_token = bool(info.get("copy_token", False))
     draft = EagleDraft(eagle_config(config), embed, out.detach()[token_ids.to(out.device)], token_ids,
                        drafting_dtype=drafting_dtype or DRAFTING_DTYPE.get(embed.dtype),
                        previous_token=bool(info.get("previous_token", False)),
-                       output=out if context_vocab else None, context_vocab=context_vocab,
-                       tap_layers=info.get("tap_layers", ()), copy_token=bool(info.get("copy_token", False)))
+                       output=out if context_vocab or copy_token else None, context_vocab=context_vocab,
+                       tap_layers=info.get("tap_layers", ()), copy_token=copy_token)
     state = load_file(str(path / WEIGHTS_FILE))
     missing, unexpected = draft.load_state_dict(state, strict=False)
     if missing or unexpected:
@@ -480,7 +507,7 @@ def step_cost(draft: EagleDraft, target, context_len: int = 64, repeats: int = 7
         t0 = time.perf_counter()
         f = draft.extend(cache, torch.randn(1, 1, hidden, generator=gen).to(draft.dtype), torch.tensor([[7]]),
                          previous_ids=ids[:, -1:], copy_ids=None if copies is None else copies[:, -1:])
-        draft.logits(f[:, 0]).argmax(-1).item()
+        draft.logits(f[:, 0], copies=None if copies is None else copies[:, -1]).argmax(-1).item()
         times.append(time.perf_counter() - t0)
         cache.truncate(torch.tensor([context_len]))
     t_draft = sorted(times[2:])[repeats // 2]

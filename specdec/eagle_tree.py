@@ -72,7 +72,7 @@ def draft_trees(draft: EagleDraft, cache: FastKVCache, root_features: torch.Tens
     the last committed tokens; per row its tree's depth (>= 0) and node budget (>= depth);
     extra: a context_vocab draft's context tokens (EagleDraft.context_tokens); copies: a
     copy_token draft's per-row index of the committed tokens (each node's pair reads the copy
-    candidate after its path)."""
+    candidate after its path, and that candidate is draftable among its children)."""
     batch = root_features.shape[0]
     max_depth = max(depths, default=0)
     if max_depth == 0:
@@ -81,7 +81,9 @@ def draft_trees(draft: EagleDraft, cache: FastKVCache, root_features: torch.Tens
     committed = cache.lengths.clone()  # [B] pairs before the tree
     first_tree_slot = cache.num_slots
     sees_committed = cache.valid.clone()  # [B, slots]
-    ids, logp = draft.top_tokens(root_features, topk, extra)  # [B, K]
+    # a copy_token draft also drafts each node's copy candidate (the one its children's pairs read)
+    root_copies = None if copies is None else torch.tensor([index.candidate(()) for index in copies])
+    ids, logp = draft.top_tokens(root_features, topk, extra, root_copies)  # [B, K]
     # Candidates per row, as lists: token, score, parent (candidate index, -1: root), depth.
     tok = [r.tolist() for r in ids.cpu()]
     score = [r.tolist() for r in logp.cpu()]
@@ -127,7 +129,7 @@ def draft_trees(draft: EagleDraft, cache: FastKVCache, root_features: torch.Tens
         out = draft.extend(cache, feats, in_ids, previous_ids=prev_ids, copy_ids=copy_ids, sees=sees,
                            positions=positions, block_mask=torch.eye(topk, dtype=torch.bool).expand(batch, topk, topk))
         assert cache.num_slots == width
-        child_ids, child_logp = draft.top_tokens(out, topk, extra)  # [B, K, K]
+        child_ids, child_logp = draft.top_tokens(out, topk, extra, copy_ids)  # [B, K, K]
         child_ids, child_logp = child_ids.cpu(), child_logp.cpu()
         for b in range(batch):
             level[b] = []

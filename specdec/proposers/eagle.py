@@ -281,7 +281,7 @@ class EagleProposer(Proposer):
             predicted[0] = self.draft.extend(self.rows.cache, predicted[0][:, None], tok[:, None],
                                              previous_ids=before_tok[0][:, None], copy_ids=copies)[:, 0]
             before_tok[0] = tok
-            return self.draft.logits(predicted[0], extra)
+            return self.draft.logits(predicted[0], extra, None if copies is None else copies[:, 0])
 
         budgets = self.tree_budgets(ctx)
         if any(n > k for n, k in zip(budgets, ctx.k)):
@@ -309,8 +309,10 @@ class EagleProposer(Proposer):
             return self.depth is not None and not any(kept[b] == len(conf) and self.depth.further(conf, k)
                                                       for b, (conf, k) in enumerate(zip(confidences, ctx.k)))
 
-        tokens, draft_probs = draft_chain(self.draft.logits(feature, extra), feed, k_max, ctx.sampling, ctx.generators,
-                                          enough)
+        # a copy_token draft drafts its copy candidate too, where it is outside the subset
+        first_copies = None if indexes is None else torch.tensor([index.candidate(()) for index in indexes])
+        tokens, draft_probs = draft_chain(self.draft.logits(feature, extra, first_copies), feed, k_max, ctx.sampling,
+                                          ctx.generators, enough)
         tokens = tokens.cpu()  # [rows, n]
         self._confidences = [conf[:n] for conf, n in zip(confidences, kept)]
         return [Proposal(token_ids=tuple(tokens[b, :n].tolist()),

@@ -76,12 +76,23 @@ def accepted_lengths(hits: torch.Tensor, judged: torch.Tensor) -> tuple[list[int
 def chain_figures(draft: EagleDraft, seq: CachedSequence, k: int) -> tuple[list[int], int]:
     """(per depth d = 1..k, chains whose first d tokens the target accepts; chains counted), one
     chain from every answer position of seq. A context_vocab draft drafts its subset's tokens and
-    those of the chain's committed context (t_0..t_{p+1} for the chain after pair p)."""
+    those of the chain's committed context (t_0..t_{p+1} for the chain after pair p); a copy_token
+    draft its subset's and each pair's copy candidate (on the true path: the chains counted)."""
     to_subset = torch.full((draft.vocab_size,), -1, dtype=torch.long)
     to_subset[draft.token_ids] = torch.arange(len(draft.token_ids))
     batch = make_batch([seq], to_subset, draft.context_vocab)
     outs = unrolled_outputs(draft, batch.features.to(draft.dtype), batch.tokens, batch.valid, k, batch.previous,
                             batch.taps, batch.copies)
+    if batch.vocab_ids is None and draft.copy_token:  # the subset and each pair's copy candidate (drafting's)
+        truth = torch.full_like(batch.labels[0], -1)  # the target's next top-1, in or outside the subset
+        truth[: len(seq.top1) - 1] = seq.top1[1:].long()
+        hits = []
+        for o in outs:
+            ids, score = draft.copy_logits(o[0], batch.copies[0])
+            scores = torch.cat([draft.subset_logits(o[0]), score.to(o.dtype)], dim=-1)
+            table = torch.cat([draft.token_ids.expand(len(ids), -1), ids], dim=-1)
+            hits.append((table.gather(-1, scores.argmax(-1, keepdim=True))[:, 0] == truth) & (truth >= 0))
+        return accepted_lengths(torch.stack(hits), batch.judged[0])
     if batch.vocab_ids is None:
         picks = [draft.subset_logits(o[0]).argmax(-1) for o in outs]
     else:  # step s at j: the chain after pair j - s, whose context is t_0..t_{j-s+1}

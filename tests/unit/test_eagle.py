@@ -148,6 +148,7 @@ def small_vocab_target():
     (SamplingParams(temperature=1.0, seed=13), range(VOCAB), True, False),
     (SamplingParams(temperature=1.0, seed=14), [0, 4], True, True),  # the prompt's 1, 2, 3 draftable too
     (SamplingParams(temperature=1.0, seed=15), range(VOCAB), "copy", False),  # pairs read copy candidates
+    (SamplingParams(temperature=1.0, seed=16), [0, 4], "copy", False),  # and draft them outside the subset
 ])
 def test_eagle_sampling_matches_target_distribution(small_vocab_target, sampling, subset, previous_token,
                                                     context_vocab):
@@ -244,8 +245,8 @@ def test_a_widened_draft_computes_what_it_did_and_reads_the_previous_token_once_
 class RecordingEagle(EagleProposer):
     """Records each call's context and proposals."""
 
-    def __init__(self, draft):
-        super().__init__(draft)
+    def __init__(self, draft, **kwargs):
+        super().__init__(draft, **kwargs)
         self.calls = []
 
     def propose(self, ctx):
@@ -612,7 +613,8 @@ def _path_top(draft, committed_cache, root, last, path, topk, index=None):
         feature = draft.extend(cache, feature[None, None], torch.tensor([[tok]]), previous_ids=torch.tensor([[before]]),
                                copy_ids=copies)[0, 0]
         before = tok
-    return draft.top_tokens(feature, topk)[0].tolist()
+    copies = None if index is None else torch.tensor(index.candidate(path))  # draftable beside the subset
+    return draft.top_tokens(feature, topk, copies=copies)[0].tolist()
 
 
 @pytest.mark.parametrize("prev", [False, True, "copy"])
@@ -984,11 +986,44 @@ def test_a_copy_token_draft_is_lossless_and_drafts_from_the_candidates_of_its_co
                              copy_ids=torch.tensor([copy_candidates(toks)[1:]]))[:, -1]
             seq = list(toks)
             for token in prop.token_ids:
-                logits = draft.logits(f)[0]
+                logits = draft.logits(f, copies=torch.tensor([copy_candidates(seq)[-1]]))[0]
                 assert float(logits.max() - logits[token]) < 1e-4, (row, len(toks))
                 seq.append(token)
                 f = draft.extend(cache, f[:, None], torch.tensor([[token]]), previous_ids=torch.tensor([[seq[-2]]]),
                                  copy_ids=torch.tensor([[copy_candidates(seq)[-1]]]))[:, 0]
+
+
+def loud_copy_draft(target, subset):
+    """A copy_token draft that follows its candidates: fc maps a candidate's embedding onto its
+    output row, loudly (what a trained draft learns where answers copy)."""
+    torch.manual_seed(0)
+    draft = build_eagle(target, subset, previous_token=True, copy_token=True).float()
+    hidden = draft.head.shape[1]
+    with torch.no_grad():
+        draft.fc.weight[:, -hidden:] = 100 * torch.linalg.lstsq(draft.embed, draft.output).solution.T
+    return draft
+
+
+@pytest.mark.parametrize("backend", ["hf", "fast", "llamacpp"])
+def test_a_copy_token_draft_drafts_its_candidate_outside_its_subset_and_stays_lossless(tiny_target, targets, backend):
+    """A candidate outside the subset is draftable (scored by the target's output row): a draft
+    that follows its candidates drafts such tokens in chains and trees, the target accepts
+    some, and the output is plain decoding's."""
+    subset = torch.arange(0, 96, 2)
+    draft = loud_copy_draft(tiny_target, subset)
+    prompts = [[7, 9, 11, 7, 9, 11, 7, 9], [5, 17, 33, 3, 41, 5, 17, 33], [13, 15, 13, 15, 13]]
+    stop = StopConditions(max_new_tokens=20)
+    proposer = RecordingEagle(draft)
+    got = check_greedy(targets[backend], proposer, prompts, stop, 4)
+    drafted = [t for _, proposals in proposer.calls for p in proposals for t in p.token_ids]
+    outside = [t for t in drafted if t % 2 == 1]
+    assert outside and sum(g.stats.accepted for g in got) > 0, (drafted, [g.stats.accepted for g in got])
+    if backend != "llamacpp":  # trees too (GPU-like verify cost)
+        tree = RecordingEagle(draft, verify_cost=GPU_LIKE_COST, runs_trees=True)
+        assert sum(g.stats.accepted for g in check_greedy(targets[backend], tree, prompts, stop, 4)) > 0
+        nodes = [t for _, proposals in tree.calls for p in proposals for t in p.token_ids]
+        assert any(p.parents for _, proposals in tree.calls for p in proposals)
+        assert [t for t in nodes if t % 2 == 1], nodes
 
 
 @pytest.mark.parametrize("backend", ["hf", "fast"])

@@ -82,17 +82,17 @@ def test_a_context_vocab_draft_s_chains_count_what_its_drafting_drafts(tiny_targ
     assert accepted > 0  # (the subset's tokens are never right: only the context's can be)
 
 
-def test_a_copy_token_draft_s_chains_count_what_its_trees_draft_from_each_context_s_candidates(tiny_target):
+@pytest.mark.parametrize("subset", [torch.arange(96), torch.arange(0, 96, 2)])
+def test_a_copy_token_draft_s_chains_count_what_its_trees_draft_from_each_context_s_candidates(tiny_target, subset):
     """The chain figures (training's batches: every pair's candidate from the true tokens) and a
     chain-shaped tree drafted as decoding drafts it (CopyIndex over the committed tokens and the
-    path) count the same, for drafts whose candidates weigh most in what they draft."""
+    path) count the same, for drafts whose candidates weigh most in what they draft, inside the
+    subset or outside it (drafted beside it)."""
+    from tests.unit.test_eagle import loud_copy_draft
     from specdec.training.eagle_eval import TreeShape
 
     prompts = [("synthetic", r["prompt_ids"]) for r in _answers(tiny_target, 4, seed=0, max_new=16)]
-    torch.manual_seed(0)
-    draft = build_eagle(tiny_target, torch.arange(96), previous_token=True, copy_token=True)
-    with torch.no_grad():  # fc maps a candidate's embedding onto its output row, loudly: drafts follow it
-        draft.fc.weight[:, -48:] = 100 * torch.linalg.lstsq(draft.embed, draft.head).solution.T
+    draft = loud_copy_draft(tiny_target, subset)
     got = compare(tiny_target, {"d": draft}, prompts, max_new_tokens=16, k=3, tree=TreeShape(3, 3, 1))["d"]["all"]
     assert got["alpha"] > 0.3  # (an untrained draft without them: 0)
     assert got["tree_tau"] == pytest.approx(1 + got["accepted"], abs=0.03)
