@@ -138,6 +138,9 @@ def add_train_eagle(tsub: argparse._SubParsersAction) -> None:
                    help="each pair reads its copy candidate too: the token that followed the latest earlier "
                         "occurrence of the context's last n-gram (what prompt lookup drafts), so the draft learns "
                         "when an answer copies; with --init from a draft without it, that draft is widened")
+    p.add_argument("--copy-labels", action="store_true",
+                   help="with --copy-token: the token loss also counts a label outside the draftable subset where "
+                        "it is the pair's copy candidate (which the draft drafts beside its subset)")
     p.add_argument("--token-weight", type=float, default=d.token_weight,
                    help=f"weight of the token loss (default {d.token_weight})")
     p.add_argument("--feature-weight", type=float, default=d.feature_weight,
@@ -185,6 +188,7 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
     recipe = EagleRecipe(vocab=args.vocab, tokens_per_step=args.tokens_per_step, unroll=args.unroll, lr=args.lr,
                          previous_token=args.previous_token, soft_labels=args.soft_labels,
                          context_vocab=args.context_vocab, tap_layers=args.tap_layers, copy_token=args.copy_token,
+                         copy_labels=args.copy_labels,
                          token_weight=args.token_weight, feature_weight=args.feature_weight)
     train_eagle(target.lm, data, args.out, args.work or Path("runs/eagle"), recipe=recipe, init=args.init,
                 target_name=_target_name(args.target),

@@ -19,7 +19,9 @@ Recipe (`EagleRecipe`; the draft itself: specdec.eagle):
    them trains on the sequences that have both. `--init` from a draft without them widens it.
    With `copy_token` each pair reads its copy candidate (specdec.copy_tokens, computed per batch
    from the sequence's tokens, at every unrolled step: on the path the target accepts the
-   drafted tokens are the true ones); `--init` from a draft without it widens it.
+   drafted tokens are the true ones); `--init` from a draft without it widens it. With
+   `copy_labels` too, a label outside the subset that is its pair's candidate counts, against the
+   candidate's logit beside the subset's (what drafting drafts: EagleDraft.copy_logits).
 3. Loss at pair j: SmoothL1 between the predicted f^_{j+1} and the target's f_{j+1}
    (`feature_weight`, EAGLE's 1.0) + cross-entropy of the subset logits against the target's
    top-1 y_{j+1} (`token_weight`, EAGLE's 0.1; tokens outside the subset carry no token loss).
@@ -85,13 +87,16 @@ class EagleRecipe:
     context_vocab: bool = False  # the context's tokens are draftable too (specdec.eagle: copying rare tokens)
     tap_layers: tuple[int, ...] = ()  # pairs read these target layers' residuals too (specdec.eagle; EAGLE-3's fusion)
     copy_token: bool = False  # pairs read their copy candidate too (specdec.copy_tokens: what prompt lookup drafts)
+    # the token loss counts a label outside the subset where it is the pair's copy candidate (which a
+    # copy_token draft drafts beside its subset, scored by the target's output row)
+    copy_labels: bool = False
 
 
 def same_recipe(saved: dict, recipe: EagleRecipe) -> bool:
     """Whether a recipe stored by a run (its dict; keys added since take their old meaning)
     is `recipe`."""
     full = {"previous_token": False, "soft_labels": False, "context_vocab": False, "tap_layers": (),
-            "copy_token": False, **saved}
+            "copy_token": False, "copy_labels": False, **saved}
     return {**full, "tap_layers": tuple(full["tap_layers"])} == asdict(recipe)  # (JSON keeps a list)
 
 
@@ -193,10 +198,13 @@ def context_labels(seq: CachedSequence, to_vocab: torch.Tensor, subset: int) -> 
     return torch.where(draftable, index, -1)
 
 
-def make_batch(seqs: Sequence[CachedSequence], to_subset: torch.Tensor, context_vocab: bool = False) -> Batch:
+def make_batch(seqs: Sequence[CachedSequence], to_subset: torch.Tensor, context_vocab: bool = False,
+               copy_labels: bool = False) -> Batch:
     """Cached sequences -> one right-padded batch (to_subset [vocab]: subset index or -1).
     context_vocab: the batch's draftable tokens are the subset's and every token its sequences
-    hold (vocab_ids), a label counting where the subset drafts it or its row's context holds it."""
+    hold (vocab_ids), a label counting where the subset drafts it or its row's context holds it.
+    copy_labels: a label outside the subset that is its pair's copy candidate is the subset's
+    size (the column of the candidate's logit, beside the subset's)."""
     width = max(len(s.tokens) for s in seqs)
     hidden = seqs[0].features.shape[1]
     vocab_ids = None
@@ -227,6 +235,9 @@ def make_batch(seqs: Sequence[CachedSequence], to_subset: torch.Tensor, context_
                               else to_subset[s.top1[1:].long()])
         valid[b, :m] = True
         copies[b, :m] = torch.tensor(copy_candidates([s.first, *s.tokens.tolist()])[1:], dtype=torch.long)
+        if copy_labels:
+            copied = (labels[b, : m - 1] < 0) & (s.top1[1:].long() == copies[b, : m - 1])
+            labels[b, : m - 1][copied] = int((to_subset >= 0).sum())
         has_target[b, : m - 1] = True
         judged[b, s.eval_from : m - 1] = True
     return Batch(feats, tokens, previous, valid, labels, has_target, judged, vocab_ids, taps, copies)
@@ -299,6 +310,8 @@ def unrolled_loss(draft: EagleDraft, batch: Batch, recipe: EagleRecipe
         use = batch.has_target & (torch.arange(width) >= s)[None]  # [B, W]; step s has inputs from j = s
         pred, labels = out[use], batch.labels[use]  # [N, H], [N]
         logits = draft.subset_logits(pred) if batch.vocab_ids is None else pred @ draft.output[batch.vocab_ids].T
+        if recipe.copy_labels:  # the candidate's logit beside the subset's (-inf where none or in the subset)
+            logits = torch.cat([logits, draft.copy_logits(pred, batch.copies[use])[1].to(logits.dtype)], dim=-1)
         loss = recipe.feature_weight * F.smooth_l1_loss(pred, target[use])
         if recipe.soft_labels:  # EAGLE's own classification loss: the target's p(t_{j+2}) from f_{j+1}
             loss = loss + recipe.token_weight * F.cross_entropy(logits, teacher_probs(draft, target[use]))
@@ -427,6 +440,9 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
         raise InvalidRequest("give a time budget or a step budget")
     if recipe.soft_labels and recipe.context_vocab:
         raise InvalidRequest("soft labels are the target's distribution over the subset: not with a context vocabulary")
+    if recipe.copy_labels and (not recipe.copy_token or recipe.context_vocab or recipe.soft_labels):
+        raise InvalidRequest("--copy-labels counts labels that are a pair's copy candidate: it needs --copy-token, "
+                             "and not --context-vocab (whose context holds them) or --soft-labels (over the subset)")
     if recipe.tap_layers and not getattr(target, "returns_taps", False):
         raise InvalidRequest(f"--tap-layers reads the target's inner layers: the {target.backend} backend does not "
                              "return them; train on the fast backend")
@@ -549,7 +565,7 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
         loss_sum, count = 0.0, 0
         with torch.no_grad():
             for i in range(0, len(heldout), 8):
-                batch = make_batch(heldout[i : i + 8], to_subset, recipe.context_vocab)
+                batch = make_batch(heldout[i : i + 8], to_subset, recipe.context_vocab, recipe.copy_labels)
                 loss, agreement, n = unrolled_loss(draft, batch, recipe)
                 loss_sum, count = loss_sum + float(loss) * n, count + n
                 for h, (a, j) in zip(hits, agreement):
@@ -584,7 +600,7 @@ def train_eagle(target: CausalLM, data_dirs: Sequence[Path], out_dir: Path, work
             pairs += len(s.tokens) - 1
         for g in opt.param_groups:
             g["lr"] = lr_at(state.step - rewarm_from, progress(), recipe)
-        loss, agreement, n = unrolled_loss(draft, make_batch(batch, to_subset, recipe.context_vocab), recipe)
+        loss, agreement, n = unrolled_loss(draft, make_batch(batch, to_subset, recipe.context_vocab, recipe.copy_labels), recipe)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)

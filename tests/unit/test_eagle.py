@@ -1057,3 +1057,36 @@ def test_a_draft_of_another_shape_in_the_same_directory_gets_its_own_measured_co
     eagle_cost(costs, build_eagle(tiny_target, torch.arange(96)), tiny_target, None)  # the first's shape again
     assert len({json.dumps(k, sort_keys=True) for k in keys}) == 4
     assert keys[0] == keys[-1]
+
+
+def test_copy_labels_count_a_label_outside_the_subset_where_it_is_the_pair_s_candidate(tiny_target, data_dir, tmp_path):
+    """make_batch labels such a position with the candidate's column (the subset's size), others as
+    before; the loss's agreement then counts a draft that drafts the candidate there as right,
+    which it does not without; the recipe needs --copy-token and refuses what it cannot mix with."""
+    from specdec.training.eagle import CachedSequence, unrolled_loss
+
+    subset = torch.arange(0, 96, 2)
+    to_subset = torch.full((96,), -1, dtype=torch.long)
+    to_subset[subset] = torch.arange(48)
+    ids = [7, 9, 11, 7, 9, 11, 7, 9, 11, 7]
+    feats = tiny_target.forward(tiny_target.new_cache(1), torch.tensor([ids]), want_hidden=True).hidden
+    top1 = torch.tensor(ids[1:])  # the target's top-1 after each position: here the sequence itself
+    seq = CachedSequence(features=feats[0, :9].half(), tokens=torch.tensor(ids[1:]).int(), top1=top1.int(),
+                         eval_from=0, first=ids[0])
+    plain, copied = make_batch([seq], to_subset), make_batch([seq], to_subset, copy_labels=True)
+    assert (plain.labels[0] == -1).all()  # every label odd: outside the subset
+    # pair j's candidate (for t_{j+2}) is known from j = 2 on (7 9 11 7 -> 9), the label there is it
+    assert copied.labels[0, :8].tolist() == [-1, -1, 48, 48, 48, 48, 48, 48]
+    draft = loud_copy_draft(tiny_target, subset)
+    recipe = replace(RECIPE, previous_token=True, copy_token=True)
+    with torch.no_grad():
+        right = unrolled_loss(draft, copied, replace(recipe, copy_labels=True))[1][0]
+        none = unrolled_loss(draft, plain, recipe)[1][0]
+    assert right[0] >= 5 and none[0] == 0, (right, none)
+    for bad in (replace(RECIPE, copy_labels=True), replace(recipe, copy_labels=True, soft_labels=True)):
+        with pytest.raises(InvalidRequest, match="--copy-labels"):
+            train_eagle(tiny_target, [data_dir], tmp_path / "e", tmp_path / "w", recipe=bad, max_steps=1)
+    train_eagle(tiny_target, [data_dir], tmp_path / "ok", tmp_path / "wok", recipe=replace(recipe, copy_labels=True),
+                max_steps=2, log=lambda _: None)
+    assert json.loads((tmp_path / "ok" / "eagle_vocab.json").read_text())["recipe"]["copy_labels"]
+    assert load_eagle(tmp_path / "ok", tiny_target).copy_token
