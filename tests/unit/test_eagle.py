@@ -242,6 +242,16 @@ def test_a_widened_draft_computes_what_it_did_and_reads_the_previous_token_once_
     assert (a - b).abs().max() > 1e-3
 
 
+def recorded_steps(proposer):
+    """Each proposal a RecordingEagle made: (row id, its committed tokens, every feature handed to
+    the row so far [1, L - 1, F], the proposal)."""
+    features: dict[int, list[torch.Tensor]] = {}
+    for ctx, proposals in proposer.calls:
+        for row, toks, feats, prop in zip(ctx.row_ids, ctx.token_ids, ctx.target_features, proposals):
+            features.setdefault(row, []).append(feats)
+            yield row, toks, torch.cat(features[row])[None], prop
+
+
 class RecordingEagle(EagleProposer):
     """Records each call's context and proposals."""
 
@@ -827,23 +837,19 @@ def test_a_tap_layers_draft_is_lossless_and_drafts_from_the_residuals_the_target
     proposer = RecordingEagle(draft)
     got = check_greedy(fast_target, proposer, PROMPTS, StopConditions(max_new_tokens=25), k)
     assert sum(g.stats.accepted for g in got) > 0
-    features: dict[int, list[torch.Tensor]] = {}
-    for ctx, proposals in proposer.calls:
-        for row, toks, feats, prop in zip(ctx.row_ids, ctx.token_ids, ctx.target_features, proposals):
-            features.setdefault(row, []).append(feats)
-            pairs = torch.cat(features[row])[None]  # [1, L - 1, 2 H]: (f_p ; residual after layer 0 at p)
-            assert pairs.shape == (1, len(toks) - 1, 96)
-            torch.testing.assert_close(pairs[..., 48:], fast_target.layer_states(torch.tensor([toks[:-1]]), (0,)),
-                                       atol=1e-4, rtol=1e-4)
-            cache = draft.new_cache(1)
-            f = draft.extend(cache, pairs[..., :48], torch.tensor([toks[1:]]), previous_ids=torch.tensor([toks[:-1]]),
-                             taps=pairs[..., 48:])[:, -1]
-            before = toks[-1]
-            for token in prop.token_ids:
-                logits = draft.logits(f)[0]
-                assert float(logits.max() - logits[token]) < 1e-4, (row, len(toks))
-                f = draft.extend(cache, f[:, None], torch.tensor([[token]]), previous_ids=torch.tensor([[before]]))[:, 0]
-                before = token
+    for row, toks, pairs, prop in recorded_steps(proposer):  # pairs [1, L - 1, 2 H]: (f_p ; residual after layer 0)
+        assert pairs.shape == (1, len(toks) - 1, 96)
+        torch.testing.assert_close(pairs[..., 48:], fast_target.layer_states(torch.tensor([toks[:-1]]), (0,)),
+                                   atol=1e-4, rtol=1e-4)
+        cache = draft.new_cache(1)
+        f = draft.extend(cache, pairs[..., :48], torch.tensor([toks[1:]]), previous_ids=torch.tensor([toks[:-1]]),
+                         taps=pairs[..., 48:])[:, -1]
+        before = toks[-1]
+        for token in prop.token_ids:
+            logits = draft.logits(f)[0]
+            assert float(logits.max() - logits[token]) < 1e-4, (row, len(toks))
+            f = draft.extend(cache, f[:, None], torch.tensor([[token]]), previous_ids=torch.tensor([[before]]))[:, 0]
+            before = token
 
 
 def test_a_tap_layers_draft_is_refused_on_a_backend_that_does_not_return_the_layers(tiny_target, trained_taps_dir):
@@ -976,21 +982,17 @@ def test_a_copy_token_draft_is_lossless_and_drafts_from_the_candidates_of_its_co
     prompts = PROMPTS + [[7, 8, 9, 7, 8, 9, 7, 8]]
     got = check_greedy(target, proposer, prompts, StopConditions(max_new_tokens=25), k)
     assert sum(g.stats.accepted for g in got) > 0
-    features: dict[int, list[torch.Tensor]] = {}
-    for ctx, proposals in proposer.calls:
-        for row, toks, feats, prop in zip(ctx.row_ids, ctx.token_ids, ctx.target_features, proposals):
-            features.setdefault(row, []).append(feats)
-            pairs = torch.cat(features[row])[None]
-            cache = draft.new_cache(1)
-            f = draft.extend(cache, pairs, torch.tensor([toks[1:]]), previous_ids=torch.tensor([toks[:-1]]),
-                             copy_ids=torch.tensor([copy_candidates(toks)[1:]]))[:, -1]
-            seq = list(toks)
-            for token in prop.token_ids:
-                logits = draft.logits(f, copies=torch.tensor([copy_candidates(seq)[-1]]))[0]
-                assert float(logits.max() - logits[token]) < 1e-4, (row, len(toks))
-                seq.append(token)
-                f = draft.extend(cache, f[:, None], torch.tensor([[token]]), previous_ids=torch.tensor([[seq[-2]]]),
-                                 copy_ids=torch.tensor([[copy_candidates(seq)[-1]]]))[:, 0]
+    for row, toks, pairs, prop in recorded_steps(proposer):
+        cache = draft.new_cache(1)
+        f = draft.extend(cache, pairs, torch.tensor([toks[1:]]), previous_ids=torch.tensor([toks[:-1]]),
+                         copy_ids=torch.tensor([copy_candidates(toks)[1:]]))[:, -1]
+        seq = list(toks)
+        for token in prop.token_ids:
+            logits = draft.logits(f, copies=torch.tensor([copy_candidates(seq)[-1]]))[0]
+            assert float(logits.max() - logits[token]) < 1e-4, (row, len(toks))
+            seq.append(token)
+            f = draft.extend(cache, f[:, None], torch.tensor([[token]]), previous_ids=torch.tensor([[seq[-2]]]),
+                             copy_ids=torch.tensor([[copy_candidates(seq)[-1]]]))[:, 0]
 
 
 def loud_copy_draft(target, subset):
