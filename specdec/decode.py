@@ -214,12 +214,13 @@ def _prefill(target: CausalLM, prompts: Sequence[Sequence[int]], prefix_cache: O
 
 def _keep_finished(prefix_cache: Optional[PrefixCache], target: CausalLM, cache, rows: Sequence[RowProgress]) -> None:
     """One sequence done: keep the KV of its prompt and answer (all but the last token, the one
-    never fed) in the prefix cache, for a conversation's next turn."""
+    never fed; on llama.cpp its prompt's whole blocks: specdec.prefix_cache) in the prefix cache,
+    for a conversation's next turn."""
     if prefix_cache is None or len(rows) != 1:
         return
     tokens = rows[0].committed[:-1]
     if cache.batch_size == 1 and int(cache.lengths[0]) == len(tokens):
-        remember(prefix_cache, target, cache, tokens)
+        remember(prefix_cache, target, cache, tokens, prefilled=len(rows[0].prompt))
 
 
 def _finish(rows: Sequence[RowProgress]) -> list[GenerationResult]:

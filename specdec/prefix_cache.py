@@ -18,9 +18,14 @@ longest cached prefix of its tokens.
 
 Exactness: a restored prefix holds the very keys and values an earlier forward computed, so the
 logits after it equal those after a fresh prefill wherever the backend's arithmetic does not
-depend on how many tokens one forward holds (torch: measured bit-identical, tests/unit/
-test_prefix_cache.py; llama.cpp: its kernels depend on the batch size, so logits agree within its
-tie tolerance, as its chunked prefills already do).
+depend on how many tokens one forward holds. torch: a forward's width moves logits by float
+rounding only (~1e-6, tests/unit/test_prefix_cache.py), so any prefix is reused. llama.cpp: its
+kernels change with the forward's token count (here: at 64 tokens; the Q4_1 target's logits
+then differ by up to 1.8, which flipped 4 of 6 served dev answers), so only what a fresh prefill
+computes the same way is reused: whole blocks of `lm.prefill_block` (its batch) that were
+prefilled in such blocks from position 0 (`remember(..., prefilled=)`), restored at a multiple of
+the block (`restore_longest`), the rest then prefilled in blocks from there as a fresh prefill
+would. An answer's decoded tokens are not such rows: a next turn reuses its prompt's whole blocks.
 """
 
 from __future__ import annotations
@@ -75,16 +80,19 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, tokens: Sequence[int], at_most: Optional[int] = None) -> tuple[int, Optional[object]]:
+    def lookup(self, tokens: Sequence[int], at_most: Optional[int] = None,
+               whole: int = 1) -> tuple[int, Optional[object]]:
         """(n, snapshot): the longest cached block-aligned prefix of tokens (at most `at_most`
-        tokens) and the snapshot that holds it (it may hold more than n tokens: restore n of
-        them), or (0, None)."""
+        tokens; a multiple of `whole`) and the snapshot that holds it (it may hold more than n
+        tokens: restore n of them), or (0, None)."""
         limit = len(tokens) if at_most is None else min(at_most, len(tokens))
         self.stats.queries += limit
         for n, digest in reversed(block_digests(tokens[:limit], self.block)):
             found = self._longest_holder(digest, tokens[:n], tokens[:limit])
-            if found is not None:
-                eid, n = found
+            if found is not None:  # (the longest holder: no other shares more)
+                eid, n = found[0], found[1] - found[1] % whole
+                if not n:
+                    break
                 self._entries.move_to_end(eid)
                 self.stats.hits += n
                 return n, self._entries[eid].snapshot
@@ -148,14 +156,22 @@ class PrefixCache:
                 del self._index[digest]
 
 
+def exact_rows(lm, n: int) -> int:
+    """Of n rows prefilled from position 0 in blocks of lm.prefill_block, how many a restore
+    continues exactly as a fresh prefill: their whole blocks (all n on torch)."""
+    return n - n % lm.prefill_block
+
+
 def restore_longest(cache: PrefixCache, lm, tokens: Sequence[int], at_most: int, more_than: int = 0, into=None):
     """A batch-1 KV cache of `lm` holding the longest cached prefix of tokens (at most `at_most`
-    tokens; only if longer than `more_than`, what the caller holds already) -> (its length n,
-    the cache), or (0, None). into: an empty batch-1 cache to restore into (else a new one: on
-    llama.cpp a new context, ~50 ms when none is idle)."""
+    tokens, whole prefill blocks of lm: see the module docstring; only if longer than
+    `more_than`, what the caller holds already) -> (its length n, the cache), or (0, None).
+    into: an empty batch-1 cache to restore into (else a new one: on llama.cpp a new context,
+    ~50 ms when none is idle)."""
+    at_most = exact_rows(lm, at_most)
     if at_most - more_than < cache.block:
         return 0, None
-    n, snapshot = cache.lookup(tokens, at_most=at_most)
+    n, snapshot = cache.lookup(tokens, at_most=at_most, whole=lm.prefill_block)
     if n <= more_than:
         return 0, None
     kv = into if into is not None and into.batch_size == 1 and int(into.lengths[0]) == 0 else lm.new_cache(1)
@@ -163,9 +179,13 @@ def restore_longest(cache: PrefixCache, lm, tokens: Sequence[int], at_most: int,
     return n, kv
 
 
-def remember(cache: PrefixCache, lm, kv, tokens: Sequence[int]) -> bool:
-    """Keep the KV of `tokens`, the first len(tokens) entries of the batch-1 cache `kv`, unless
-    they are too short or covered already -> whether a snapshot was taken."""
+def remember(cache: PrefixCache, lm, kv, tokens: Sequence[int], prefilled: Optional[int] = None) -> bool:
+    """Keep the KV of `tokens`, the first len(tokens) entries of the batch-1 cache `kv` (of them,
+    the exact rows of the first `prefilled`, the rows a prefill computed from a restored or empty
+    start, default all: see the module docstring), unless they are too short or covered already
+    -> whether a snapshot was taken."""
+    if lm.prefill_block > 1:
+        tokens = tokens[:exact_rows(lm, len(tokens) if prefilled is None else min(prefilled, len(tokens)))]
     if len(tokens) < cache.block or cache.covers(tokens):
         return False
     snapshot, nbytes = lm.snapshot_prefix(kv, len(tokens))

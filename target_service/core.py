@@ -82,6 +82,9 @@ class TargetSession:
     tokens: list[int] = field(default_factory=list)  # committed tokens; the cache holds all but the last
     digests: PrefixDigests = field(default_factory=PrefixDigests)  # of every prefix of `tokens`
     cache: Optional[object] = None  # KVCache, batch 1
+    # The first committed tokens whose KV a prefill computed from an empty or restored start (the rest
+    # were decoded): of those, the prefix cache keeps whole prefill blocks (specdec.prefix_cache)
+    prefilled: int = 0
     hidden: Optional[torch.Tensor] = None  # [hidden] state that produced tokens[-1], if known
     # The target's states ([n, hidden] pieces) at the committed positions not yet handed to the
     # session's feature-reading proposer (EAGLE); None: some position's state was never computed
@@ -201,14 +204,14 @@ class TargetCore:
         self.metrics.prefix_cache_queries.inc(self.prefix_cache.stats.queries - queried)  # 0: too short to look up
         if kv is None:
             return sess.tokens
-        sess.cache = kv
+        sess.cache, sess.prefilled = kv, n
         self.metrics.prefix_cache_hits.inc(n)
         return tokens[:n]
 
     def _remember(self, sess: TargetSession) -> None:
         """Keep the session's KV (all its committed tokens but the last, which its cache holds)."""
         if sess.cache is not None:
-            remember(self.prefix_cache, self.target, sess.cache, sess.tokens[:-1])
+            remember(self.prefix_cache, self.target, sess.cache, sess.tokens[:-1], prefilled=sess.prefilled)
 
     def _prefix_cache_changed(self, cache: PrefixCache, evicted: int) -> None:
         self.metrics.prefix_cache_bytes.set(cache.bytes_held)
@@ -273,8 +276,12 @@ class TargetCore:
         """Make the session hold these committed tokens, keeping what its cache shares with them
         (or, when the prefix cache holds more of them, starting from that)."""
         cached = sess.tokens if self.prefix_cache is None else self._reuse_prefix(sess, tokens)
+        kept = min(int(sess.cache.lengths[0]), common_prefix_len(cached, tokens), len(tokens) - 1)
         sess.last_logits = None  # (a load that fails leaves none)
         sess.last_logits = load_committed(self.target, sess.cache, tokens, cached=cached, through_last=True)
+        # what it fed was prefilled in whole blocks from `kept` on: exact rows where those before were
+        exact_start = kept <= sess.prefilled and kept % self.target.prefill_block == 0
+        sess.prefilled = len(tokens) if exact_start else min(sess.prefilled, kept)
         sess.digests.reset(tokens, common_prefix_len(sess.tokens, tokens))
         sess.tokens = list(tokens)
         sess.hidden = sess.features = None

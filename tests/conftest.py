@@ -52,10 +52,10 @@ def tiny_draft(tiny_target) -> CausalLM:
     return perturbed_copy(tiny_target, noise=0.25, seed=1)
 
 
-def gguf_copy(lm: CausalLM, path: Path, threads: int = 1, context=None):
+def gguf_copy(lm: CausalLM, path: Path, threads: int = 1, context=None, n_batch: int = 512):
     """The same weights written as a GGUF file at `path` (float32) and loaded on llama.cpp, after
     its probe (a child process): a llama.cpp build that crashes fails the test with one line
-    instead of killing the test run."""
+    instead of killing the test run. n_batch: tokens a llama_decode holds (its prefill block)."""
     from specdec.backends.llamacpp import LlamaCppLM
     from specdec.backends.llamacpp.convert import write_llama_gguf
     from specdec.backends.llamacpp.probe import require_usable, torch_reference
@@ -63,7 +63,7 @@ def gguf_copy(lm: CausalLM, path: Path, threads: int = 1, context=None):
 
     path = write_llama_gguf(lm.model, path)
     require_usable(path, user_cost_store(), torch_reference(lm))
-    return LlamaCppLM(path, threads=threads, context=context)
+    return LlamaCppLM(path, threads=threads, context=context, n_batch=n_batch)
 
 
 # Verify-cost curves for tests of rules that read v(k) (not this host's):

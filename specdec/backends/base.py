@@ -28,6 +28,9 @@ class ModelBackend(Protocol):
     runs_trees: bool  # forward takes tree blocks (block_mask); False: causal chains only
     stacks_caches: bool  # batch-1 caches stack into one batched cache (kv_stack); False: run side by side (run_each)
     greedy_steps: bool  # greedy_step(cache, token) -> next greedy token, the argmax on the backend's side
+    # A restored prefix continues bit for bit as a fresh prefill only at multiples of this many tokens, its
+    # rows prefilled in whole blocks of it from position 0 (specdec.prefix_cache). 1: any prefix (torch).
+    prefill_block: int
 
     def new_cache(self, batch_size: int) -> Any: ...
 

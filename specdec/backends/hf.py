@@ -83,6 +83,7 @@ class CausalLM:
     runs_trees = True
     stacks_caches = True
     greedy_steps = False
+    prefill_block = 1  # a forward's width moves a token's logits by float rounding only (~1e-6: test_prefix_cache.py)
 
     def __init__(self, model: torch.nn.Module, name: str = "model"):
         self.model = model.eval()

@@ -89,3 +89,32 @@ def test_the_shipped_medusa_heads_run_on_llamacpp_as_a_chain_and_equal_its_plain
     for p, g, w in zip(cpp_prompts, got, cpp_plain):
         assert_greedy_equal(engine.target.lm, p, g.token_ids, w.token_ids, LLAMACPP_TIE)
     assert sum(g.stats.accepted for g in got) > 0, "no head candidate accepted: the test checks nothing"
+
+
+def test_a_prefix_restored_on_the_gguf_gives_a_fresh_prefills_logits_bit_for_bit(engine):
+    """llama.cpp's kernels change with a forward's token count (here the Q4_1 target's logits moved
+    by up to 1.8 where a prompt's prefill was split after a restored prefix, which changed 4 of 6
+    served answers), so the prefix cache restores whole prefill blocks only: a document asked
+    about again, and a short prompt after another one that shares its chat template, get the very
+    logits of a fresh prefill."""
+    import torch
+
+    from specdec.models import format_prompt
+    from specdec.prefix_cache import PrefixCache, remember, restore_longest
+    from specdec.prompt_sets import first_per_category, read_prompt_rows
+
+    lm, tokenizer = engine.target.lm, engine.target.tokenizer
+    document = first_per_category(read_prompt_rows(), ("rag",))[0]["turns"][0]
+    asked, again = (format_prompt(tokenizer, f"{document}\n\n{q}") for q in ("Summarize this.", "Who is it about?"))
+    assert len(asked) > lm.prefill_block + 64
+    cache = PrefixCache(256 << 20)
+    for seen in (format_prompt(tokenizer, "Hi!"), asked):  # what the server read before
+        kv = lm.new_cache(1)
+        lm.prefill(kv, [seen])
+        remember(cache, lm, kv, seen)
+    for prompt, reused in ((again, lm.prefill_block), (format_prompt(tokenizer, "Name a color."), 0)):
+        fresh = lm.prefill(lm.new_cache(1), [prompt]).logits[0].clone()
+        n, kv = restore_longest(cache, lm, prompt, at_most=len(prompt) - 1)
+        assert n == reused
+        logits = lm.prefill(kv if kv is not None else lm.new_cache(1), [prompt[n:]]).logits[0]
+        assert torch.equal(logits, fresh), float((logits - fresh).abs().max())

@@ -25,6 +25,9 @@ def test_the_longest_cached_block_aligned_prefix_is_found():
     assert cache.lookup([99] + PROMPT) == (0, None)
     assert cache.lookup(PROMPT[:3]) == (0, None)  # shorter than a block
     assert cache.stats.hits == 12 + 10 + 11 + 10 + 8
+    # whole blocks of 8 only (a llama.cpp target's prefill block): "a"'s 12 -> 8, "b"'s 10 -> 8
+    assert cache.lookup(PROMPT, whole=8) == (8, "a") and cache.lookup(PROMPT[:8] + [1, 1, 7], whole=8) == (8, "b")
+    assert cache.lookup(PROMPT, whole=16) == (0, None)
 
 
 def test_entries_already_covered_too_short_or_too_large_are_not_kept():
@@ -53,7 +56,11 @@ def _backends(tiny_target, tmp_path_factory):
     from specdec.backends.fast import FastLlamaLM
 
     return {"hf": tiny_target, "fast": FastLlamaLM(tiny_target.model, name="tiny-fast"),
-            "llamacpp": gguf_copy(tiny_target, tmp_path_factory.mktemp("gguf") / "t.gguf", context=256)}
+            "llamacpp": gguf_copy(tiny_target, tmp_path_factory.mktemp("gguf") / "t.gguf", context=256,
+                                  n_batch=LLAMACPP_BLOCK)}
+
+
+LLAMACPP_BLOCK = 16  # the llama.cpp copies' prefill block: a few blocks in these prompts
 
 
 @pytest.fixture(scope="module")
@@ -153,9 +160,32 @@ def test_the_engine_reuses_earlier_prompts_and_answers_and_its_output_stays_plai
     _, shared = generate(PROMPT[:40] + [5, 6, 7])
     turn2 = PROMPT + first + [8, 9, 10]
     _, turn = generate(turn2)
-    assert cold == 0 and shared == 40  # all it shares with the first call's prompt (found by blocks, reused to the token)
-    assert turn >= 16 * ((len(PROMPT) + len(first) - 1) // 16), "the next turn did not reuse the first turn's answer"
+    if name == "llamacpp":  # the prompts' whole prefill blocks: the answer was decoded, a fresh prefill computes it otherwise
+        assert cold == 0 and shared == 32 and turn == 32
+    else:  # all it shares with the first call's prompt (found by blocks, reused to the token)
+        assert cold == 0 and shared == 40
+        assert turn >= 16 * ((len(PROMPT) + len(first) - 1) // 16), "the next turn did not reuse the first turn's answer"
     assert 0 < engine.prefix_cache.bytes_held <= 8 << 20
+
+
+def test_llamacpp_reuses_only_what_a_fresh_prefill_computes_the_same_way(backends):
+    """llama.cpp's kernels depend on a forward's token count (on the real Q4_1 target logits moved by
+    up to 1.8, changing served answers), so a next turn restores its prompt's whole prefill blocks,
+    never the decoded answer nor a part block, and its logits are those of a fresh prefill, bit for bit."""
+    from specdec.prefix_cache import remember, restore_longest
+
+    lm, cache = backends["llamacpp"], PrefixCache(8 << 20)
+    kv = lm.new_cache(1)
+    logits, answer = _continue(lm, kv, PROMPT, 12)  # turn 1: a prefill, then one token a forward
+    assert remember(cache, lm, kv, PROMPT + answer[:-1], prefilled=len(PROMPT))
+    turn2 = PROMPT + answer + [8, 9, 10]
+    fresh, fresh_out = _continue(lm, lm.new_cache(1), turn2, 8)
+    n, restored = restore_longest(cache, lm, turn2, at_most=len(turn2) - 1)
+    assert n == LLAMACPP_BLOCK * (len(PROMPT) // LLAMACPP_BLOCK)
+    logits, out = _continue(lm, restored, turn2[n:], 8)
+    assert torch.equal(logits, fresh) and out == fresh_out
+    shares = LLAMACPP_BLOCK + 3
+    assert restore_longest(cache, lm, PROMPT[:shares] + [4], at_most=shares)[0] == LLAMACPP_BLOCK  # whole blocks only
 
 
 def test_seeded_sampling_is_the_same_with_the_engines_prefix_cache_on_or_off(endless):

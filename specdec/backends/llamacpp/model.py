@@ -425,7 +425,7 @@ class LlamaCppLM:
         self.hidden_size = int(lib.llama_model_n_embd(self.model_handle))
         self.max_positions = int(context or min(lib.llama_model_n_ctx_train(self.model_handle), 4096))
         self.threads = int(threads or torch.get_num_threads())
-        self.n_batch = n_batch
+        self.n_batch = n_batch  # tokens a llama_decode (and a ubatch) holds: llama-server's ubatch by default
         eos = {int(lib.llama_vocab_eos(vocab)), int(lib.llama_vocab_eot(vocab))}
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(t for t in eos if t >= 0))
         self._tables: Optional[tuple[torch.Tensor, torch.Tensor]] = None
@@ -435,6 +435,15 @@ class LlamaCppLM:
         self.joined_decodes = 0  # llama_decode calls that fed several sessions' steps (join_caches)
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # run_each's workers
         self._pool_lock = threading.Lock()
+
+    @property
+    def prefill_block(self) -> int:
+        """llama.cpp's kernels depend on how many tokens a forward holds (here, AVX2: forwards of
+        64 tokens and more take other matrix kernels than shorter ones; the Q4_1 target's logits
+        then differ by up to 1.8), so a prompt's logits are those of a fresh prefill, which feeds it
+        in blocks of n_batch from position 0, only where its prefix was restored at a multiple of
+        n_batch and prefilled in such blocks (specdec.prefix_cache)."""
+        return self.n_batch
 
     def __del__(self):
         lib = getattr(self, "lib", None)
