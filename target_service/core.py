@@ -351,12 +351,12 @@ class TargetCore:
         """A session whose last load fed every committed token (last_logits): a plain step takes its
         token from those logits, with no forward (the load's was it, counted as this step's); any
         other step (a draft to verify, states to keep) drops that token from the cache again and
-        feeds it as usual (-> None)."""
+        feeds it as usual (-> None); except on llama.cpp (_from_load), where the step stays plain."""
         sess = st.session
         if sess.last_logits is None:
             return None
-        logits, sess.last_logits = sess.last_logits, None
-        if row.proposal.token_ids or row.proposal.aux is not None or sess.features is not None:
+        from_load, (logits, sess.last_logits) = self._from_load(sess), (sess.last_logits, None)
+        if (row.proposal.token_ids or row.proposal.aux is not None or sess.features is not None) and not from_load:
             sess.cache.truncate(torch.tensor([len(sess.tokens) - 1]))
             return None
         sess.hidden = None  # (the load kept no state: a proposer that reads it waits one plain step)
@@ -368,16 +368,19 @@ class TargetCore:
         """A session's row of the verification forward: the Verify's draft, or its Decode
         proposer's proposal (made here, right before the forward)."""
         sess = st.session
-        proposal = Proposal(token_ids=st.draft_ids, draft_probs=st.draft_probs)
         reads_features = st.proposer is not None and st.proposer.needs_features
         if not reads_features:
             sess.features = None  # this step computes no features: a later EAGLE Decode reads the session again
         elif sess.features is None:
             self._read_features(sess, self._tap_layers([st]))
+        # On llama.cpp the token after a load comes from the load's own logits (_from_last_logits):
+        # that step drafts nothing (a Verify's draft is answered with that token alone, none judged).
+        from_load = self._from_load(sess)
+        proposal = Proposal() if from_load else Proposal(token_ids=st.draft_ids, draft_probs=st.draft_probs)
         # A proposer that reads the target's hidden state waits for one plain step when it is unknown;
         # one that reads features, when the session holds no position before its last token yet.
         if (st.proposer is not None and st.proposer_k > 0 and not (st.proposer.needs_hidden and sess.hidden is None)
-                and not (reads_features and not sess.features)):
+                and not (reads_features and not sess.features) and not from_load):
             ctx = ProposeContext(row_ids=(SESSION_ROW,), token_ids=(tuple(sess.tokens),), k=(st.proposer_k,),
                                  sampling=st.sampling,
                                  target_hidden=(sess.hidden,) if st.proposer.needs_hidden else None,
@@ -397,16 +400,25 @@ class TargetCore:
                      if st.proposer is not None and getattr(st.proposer, "tap_layers", ())), ())
 
     def _read_features(self, sess: TargetSession, tap_layers: Sequence[int] = ()) -> None:
-        """Prefill the session's committed tokens (all but the last) again, keeping the target's
+        """Prefill the session's committed tokens again on a scratch cache, keeping the target's
         state at every position (with the residuals after tap_layers): what a feature-reading
         proposer (EAGLE) needs from position 0, when the session got here without them (its
-        prefill, a Verify, another method). Its cache is rebuilt from scratch (a prefix-cache
-        hit carries no states)."""
-        sess.cache, sess.features, n = self.target.new_cache(1), [], len(sess.tokens) - 1
-        sess.last_logits = None
+        prefill, a Verify, another method; a prefix-cache hit carries no states). The session's
+        own KV stays what its load and steps computed: on llama.cpp, whose kernels change with a
+        forward's token count (specdec.prefix_cache), KV fed again in other forwards would part
+        from plain decoding's at near-ties. The states of all its tokens but the last; of every
+        one where its next step takes its token from its load's logits (_from_last_logits)."""
+        n = len(sess.tokens) - (0 if self._from_load(sess) else 1)
+        sess.features = []
         if n:
-            out = self.target.prefill(sess.cache, [sess.tokens[:-1]], all_hidden=True, **tap_request(tap_layers))
+            scratch = self.target.new_cache(1)
+            out = self.target.prefill(scratch, [sess.tokens[:n]], all_hidden=True, **tap_request(tap_layers))
             sess.features.append(feature_rows(out)[0, :n])
+
+    def _from_load(self, sess: TargetSession) -> bool:
+        """Whether the session's next step takes its token from its load's logits whatever it was
+        asked to draft: on llama.cpp, where feeding that token again would change its KV and logits."""
+        return sess.last_logits is not None and self.target.prefill_block > 1
 
     # --- RPC bodies ------------------------------------------------------------------------
     async def verify(self, session_id: str, pos: Position, draft_ids: Sequence[int],

@@ -307,3 +307,41 @@ def test_a_new_session_takes_its_first_token_from_its_load_with_no_forward_of_it
     assert passes_first == 1  # the load's prefill, nothing else
     assert list(first.emitted) + list(rest.emitted) == want
     assert v.num_accepted == 3 and list(v.emitted) == want[:4]
+
+
+def test_on_llamacpp_the_token_after_a_load_comes_from_the_load_even_beside_a_draft(long_target, tmp_path):
+    """llama.cpp's kernels change with a forward's token count (specdec.prefix_cache), so feeding
+    a load's last token again with a draft would give it other KV and logits than plain decoding's
+    prefill: there the step after a load stays plain (a Verify's draft is answered with that token,
+    none judged), and an EAGLE Decode reads its features on a scratch cache. Outputs are plain's."""
+    from specdec.decode import plain_generate
+    from specdec.testing import perturbed_copy
+    from specdec.types import StopConditions
+    from tests.conftest import gguf_copy
+    from tests.unit.test_eagle import FeatureProbe
+
+    lm = gguf_copy(long_target, tmp_path / "t.gguf", context=512, n_batch=16)
+    prompt = PROMPTS[0]
+    want = list(plain_generate(lm, [prompt], stop=StopConditions(max_new_tokens=30))[0].token_ids)
+
+    async def scenario():
+        core = TargetCore(lm, TargetSettings(prefix_cache_mb=0, history_tokens=0), methods={})
+        try:
+            await core.prefill("draft-0001", prompt)
+            first = await core.verify("draft-0001", Position(len(prompt), (), token_digest(prompt)), want[:3], None,
+                                      SamplingParams(), None)
+            tokens = prompt + list(first.emitted)
+            second = await core.verify("draft-0001", Position(len(tokens), (), token_digest(tokens)), want[1:4], None,
+                                       SamplingParams(), None)
+            return first, second
+        finally:
+            await core.close()
+
+    first, second = run(scenario())
+    assert list(first.emitted) == want[:1] and first.num_drafted == 0
+    assert second.num_accepted == 3 and list(second.emitted) == want[1:5]
+    probe = FeatureProbe(perturbed_copy(long_target, noise=0.3, seed=1))
+    assert _eagle_scenario(lm, probe, prompt, 30, verify_drafts=()) == want
+    [calls] = probe.seen.values()
+    handed = sum(feats.shape[0] for _, feats in calls)
+    assert handed == len(calls[-1][0]) - 1  # one state per committed position but the last, each once
