@@ -120,6 +120,53 @@ def _stdlib_items() -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
     return modules, functions
 
 
+def _stdlib_sources(max_lines: int = 40) -> list[tuple[str, str]]:
+    """(qualified name, source) of the stdlib's documented functions of 4 to max_lines lines:
+    real code written by people, for prompts that read and rework code."""
+    out = []
+    for name, _, _ in _stdlib_items()[1]:
+        module, attr = name.rsplit(".", 1)
+        try:
+            source = textwrap.dedent(inspect.getsource(getattr(importlib.import_module(module), attr)))
+        except (OSError, TypeError, AttributeError):
+            continue
+        if 4 <= source.count("\n") <= max_lines:
+            out.append((name, source.rstrip()))
+    return out
+
+
+def code_prompts(seed: int = 0, count: int = 600) -> list[TrainingPrompt]:
+    """Code prompts (category code), deterministic by seed: complete a stdlib function from its
+    signature and docstring (as HumanEval asks), explain, rewrite, document or test a stdlib
+    function's real source, write a function from a task in a few languages."""
+    rng = random.Random(seed)
+    functions, sources = _stdlib_items()[1], _stdlib_sources()
+    fence = "```"
+    makers = [
+        lambda f: f"Complete the following Python function.\n\n{f[1]}\n    \"\"\"{textwrap.shorten(f[2], 400)}\"\"\"\n",
+        lambda f: f"{f[1]}\n    \"\"\"{textwrap.shorten(f[2], 300)}\"\"\"\n",
+    ]
+    reworks = [
+        "Explain what this Python function does, step by step.",
+        "Rewrite this Python function so that it is easier to read, keeping its behaviour.",
+        "Add type hints and a docstring to this Python function.",
+        "Write pytest unit tests for this Python function.",
+        "Find possible bugs or edge cases in this Python function.",
+        "Translate this Python function into JavaScript.",
+    ]
+
+    def make(i: int) -> str:
+        kind = i % 4
+        if kind == 0:
+            return rng.choice(makers)(rng.choice(functions))
+        if kind == 3:
+            return f"Write a {rng.choice(LANGS)} function that {rng.choice(CODE_TASKS)}."
+        name, source = rng.choice(sources)
+        return f"{rng.choice(reworks)}\n\n{fence}python\n{source}\n{fence}"
+
+    return [TrainingPrompt("code", make(i)) for i in range(count)]
+
+
 def training_prompts(seed: int = 0, count: int = 2000) -> list[TrainingPrompt]:
     rng = random.Random(seed)
     modules, functions = _stdlib_items()

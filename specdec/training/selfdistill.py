@@ -14,13 +14,16 @@ and licences beside it; shuffled by the seed so any first `--count` mixes all so
 (summarize / answer from those articles, translate gettext messages into English, factual
 questions: specdec.training.documents), which needs the articles first, and `passages`
 (summarize / answer from passages of the machine's manual pages, translate sentences of their
-German translations: text people wrote, specdec.training.documents.passage_prompts):
+German translations: text people wrote, specdec.training.documents.passage_prompts), and `code`
+(complete, explain, rewrite, document or test the standard library's own functions, write a
+function from a task: specdec.training.prompts.code_prompts):
 
     specdec train data --set real --out data/real --count 3000 --time-budget 60
     specdec train data --out data/selfdistill --count 2000 --time-budget 60
     specdec train data --set articles --out data/articles --count 240
     specdec train data --set documents --articles data/articles --out data/documents --count 960
     specdec train data --set passages --out data/passages --count 1200 --max-new-tokens 160
+    specdec train data --set code --out data/code --count 640 --time-budget 60
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from specdec.errors import SpecdecError
 from specdec.models import LoadedModel, format_prompt, load_model
 from specdec.training.documents import (all_foreign_sentences, article_prompts, article_specs, document_prompts,
                                         man_passages, passage_prompts, sentences)
-from specdec.training.prompts import TrainingPrompt, training_prompts
+from specdec.training.prompts import TrainingPrompt, code_prompts, training_prompts
 from specdec.types import SamplingParams, StopConditions
 
 REAL_PROMPTS = Path("data/prompts/train_prompts.jsonl.gz")
@@ -129,6 +132,8 @@ def prompt_set(name: str, target: LoadedModel, *, seed: int, count: int,
         return real_prompts(prompts_file, seed, count)
     if name == "base":
         return training_prompts(seed, count)
+    if name == "code":
+        return code_prompts(seed, count)
     if name == "articles":
         return article_prompts(seed, count)
     if name == "documents":
@@ -145,7 +150,7 @@ def prompt_set(name: str, target: LoadedModel, *, seed: int, count: int,
     raise SpecdecError(f"unknown prompt set {name!r}; use one of {', '.join(PROMPT_SETS)}")
 
 
-PROMPT_SETS = ("real", "base", "articles", "documents", "passages")
+PROMPT_SETS = ("real", "base", "code", "articles", "documents", "passages")
 
 
 def generate(out_dir: Path, target: LoadedModel, prompts: list[TrainingPrompt], *, seed: int = 0, chunk: int = 16,

@@ -224,3 +224,26 @@ def test_the_passages_set_reads_the_manual_pages_and_says_when_there_are_none(tm
                          "hat, auf die Standardausgabe." for p in prompts)
     with pytest.raises(SpecdecError, match="manual pages under"):
         prompt_set("passages", None, seed=0, count=6, man_dir=tmp_path / "none")
+
+
+def test_the_code_set_reworks_the_standard_librarys_own_functions_and_resumes_by_index():
+    """`--set code`: HumanEval-like completions from stdlib signatures and docstrings, real stdlib
+    source to explain, rewrite, document or test, and tasks to write; deterministic by seed, so a
+    generation resumes by prompt index, and never a dev prompt."""
+    import json
+
+    from specdec.prompt_sets import DEV_PROMPTS
+    from specdec.training.prompts import code_prompts
+
+    prompts = prompt_set("code", None, seed=0, count=40)
+    assert prompts == code_prompts(0, 40) and prompts[:8] == code_prompts(0, 8) and prompts != code_prompts(1, 40)
+    assert {p.category for p in prompts} == {"code"}
+    fenced = [p.text for p in prompts if "```python\n" in p.text]
+    assert fenced and all(p.text.startswith("Write a ") and p.text.endswith(".") for p in prompts[3::4])
+    source = fenced[0].split("```python\n", 1)[1].rsplit("\n```", 1)[0]
+    name = source.split("def ", 1)[1].split("(", 1)[0]
+    from specdec.training.prompts import _stdlib_sources
+
+    assert (name, source) in [(n.rsplit(".", 1)[1], s) for n, s in _stdlib_sources()]  # the function's own source
+    dev = {json.loads(line)["turns"][0] for line in open(DEV_PROMPTS)}
+    assert not dev & {p.text for p in code_prompts(0, 640)}
