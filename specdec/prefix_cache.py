@@ -20,8 +20,8 @@ Exactness: a restored prefix holds the very keys and values an earlier forward c
 logits after it equal those after a fresh prefill wherever the backend's arithmetic does not
 depend on how many tokens one forward holds. torch: a forward's width moves logits by float
 rounding only (~1e-6, tests/unit/test_prefix_cache.py), so any prefix is reused. llama.cpp: its
-kernels change with the forward's token count (here: at 64 tokens; the Q4_1 target's logits
-then differ by up to 1.8, which flipped 4 of 6 served dev answers), so only what a fresh prefill
+kernels change with the forward's token count (flash attention is tiled from 64 queries up; the
+Q4_1 target's logits then moved by up to 0.8, which changed 4 of 6 served dev answers), so only what a fresh prefill
 computes the same way is reused: whole blocks of `lm.prefill_block` (its batch) that were
 prefilled in such blocks from position 0 (`remember(..., prefilled=)`), restored at a multiple of
 the block (`restore_longest`), the rest then prefilled in blocks from there as a fresh prefill

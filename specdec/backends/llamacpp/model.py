@@ -438,11 +438,11 @@ class LlamaCppLM:
 
     @property
     def prefill_block(self) -> int:
-        """llama.cpp's kernels depend on how many tokens a forward holds (here, AVX2: forwards of
-        64 tokens and more take other matrix kernels than shorter ones; the Q4_1 target's logits
-        then differ by up to 1.8), so a prompt's logits are those of a fresh prefill, which feeds it
-        in blocks of n_batch from position 0, only where its prefix was restored at a multiple of
-        n_batch and prefilled in such blocks (specdec.prefix_cache)."""
+        """llama.cpp's kernels depend on how many tokens a forward holds (its CPU flash attention is
+        tiled from 64 queries up, GGML_FA_TILE_Q; the Q4_1 target's logits then differ by up to
+        0.8), so a prompt's logits are those of a fresh prefill, which feeds it in blocks of
+        n_batch from position 0, only where its prefix was restored at a multiple of n_batch and
+        prefilled in such blocks (specdec.prefix_cache)."""
         return self.n_batch
 
     def __del__(self):
