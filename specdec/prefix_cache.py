@@ -156,22 +156,18 @@ class PrefixCache:
                 del self._index[digest]
 
 
-def exact_rows(lm, n: int) -> int:
-    """Of n rows prefilled from position 0 in blocks of lm.prefill_block, how many a restore
-    continues exactly as a fresh prefill: their whole blocks (all n on torch)."""
-    return n - n % lm.prefill_block
-
-
-def restore_longest(cache: PrefixCache, lm, tokens: Sequence[int], at_most: int, more_than: int = 0, into=None):
+def restore_longest(cache: PrefixCache, lm, tokens: Sequence[int], at_most: int, more_than: int = 0, into=None,
+                    block: Optional[int] = None):
     """A batch-1 KV cache of `lm` holding the longest cached prefix of tokens (at most `at_most`
-    tokens, whole prefill blocks of lm: see the module docstring; only if longer than
-    `more_than`, what the caller holds already) -> (its length n, the cache), or (0, None).
-    into: an empty batch-1 cache to restore into (else a new one: on llama.cpp a new context,
-    ~50 ms when none is idle)."""
-    at_most = exact_rows(lm, at_most)
+    tokens, whole blocks of `block`, default lm.prefill_block: see the module docstring; only if
+    longer than `more_than`, what the caller holds already) -> (its length n, the cache), or
+    (0, None). into: an empty batch-1 cache to restore into (else a new one: on llama.cpp a new
+    context, ~50 ms when none is idle)."""
+    block = lm.prefill_block if block is None else block
+    at_most -= at_most % block
     if at_most - more_than < cache.block:
         return 0, None
-    n, snapshot = cache.lookup(tokens, at_most=at_most, whole=lm.prefill_block)
+    n, snapshot = cache.lookup(tokens, at_most=at_most, whole=block)
     if n <= more_than:
         return 0, None
     kv = into if into is not None and into.batch_size == 1 and int(into.lengths[0]) == 0 else lm.new_cache(1)
@@ -179,13 +175,16 @@ def restore_longest(cache: PrefixCache, lm, tokens: Sequence[int], at_most: int,
     return n, kv
 
 
-def remember(cache: PrefixCache, lm, kv, tokens: Sequence[int], prefilled: Optional[int] = None) -> bool:
-    """Keep the KV of `tokens`, the first len(tokens) entries of the batch-1 cache `kv` (of them,
-    the exact rows of the first `prefilled`, the rows a prefill computed from a restored or empty
-    start, default all: see the module docstring), unless they are too short or covered already
-    -> whether a snapshot was taken."""
-    if lm.prefill_block > 1:
-        tokens = tokens[:exact_rows(lm, len(tokens) if prefilled is None else min(prefilled, len(tokens)))]
+def remember(cache: PrefixCache, lm, kv, tokens: Sequence[int], prefilled: Optional[int] = None,
+             block: Optional[int] = None) -> bool:
+    """Keep the KV of `tokens`, the first len(tokens) entries of the batch-1 cache `kv` (with a
+    `block` > 1, default lm.prefill_block, only the whole blocks of the first `prefilled`, the rows
+    a prefill computed from a restored or empty start, default all: see the module docstring),
+    unless they are too short or covered already -> whether a snapshot was taken."""
+    block = lm.prefill_block if block is None else block
+    if block > 1:
+        n = len(tokens) if prefilled is None else min(prefilled, len(tokens))
+        tokens = tokens[:n - n % block]
     if len(tokens) < cache.block or cache.covers(tokens):
         return False
     snapshot, nbytes = lm.snapshot_prefix(kv, len(tokens))

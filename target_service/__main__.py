@@ -6,7 +6,10 @@
 --target DIR          target model directory (default: the embedded SmolLM2-135M-Instruct)
 --max-sessions N      KV caches kept in memory, least recently used evicted (default 64)
 --prefix-cache-mb MB  KV of prompts and finished sessions kept for sessions that start the same way
-                      (default 1024; 0: off)
+                      (default 1024; 0: off); on llama.cpp only whole 512-token prefill blocks of prompts,
+                      what a fresh prefill computes the same way
+--prefix-cache-any    LOSSY on llama.cpp: reuse any cached prefix, decoded answers too, as llama-server's
+                      prompt cache (a next turn starts sooner; it may part from a fresh prefill's at near-ties)
 --history-tokens N    tokens of finished sessions (prompt and answer) that plain decoding drafts from
                       where a session's end matches one of them (default 131072; 0: off)
 --max-batch N         sessions verified in one forward pass (default 8)
@@ -46,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-mb", type=int, default=1024,
                    help="MiB of KV kept for prompts and finished sessions, reused by sessions that start the same "
                         "way (0: off)")
+    p.add_argument("--prefix-cache-any", action="store_true",
+                   help="LOSSY on llama.cpp: reuse any cached prefix, decoded answers too (as llama-server's prompt "
+                        "cache), so a conversation's next turn starts sooner but may part from a fresh prefill's "
+                        "answer at near-ties; default: only what a fresh prefill computes the same way")
     p.add_argument("--history-tokens", type=int, default=1 << 17,
                    help="tokens of finished sessions (prompt and answer) kept for drafts: plain decoding drafts what "
                         "followed where a session's end matches one of them (0: off)")
@@ -99,7 +106,8 @@ async def serve_target(lm, tokenizer_dir: Optional[str], args: argparse.Namespac
     from target_service.servicer import start_target_server
 
     settings = TargetSettings(max_sessions=args.max_sessions, max_batch=args.max_batch,
-                              prefix_cache_mb=args.prefix_cache_mb, join_sessions=args.join_sessions,
+                              prefix_cache_mb=args.prefix_cache_mb, prefix_cache_any=args.prefix_cache_any,
+                              join_sessions=args.join_sessions,
                               history_tokens=args.history_tokens,
                               batch_window_ms=args.batch_window_ms, max_k=args.max_k)
     await asyncio.get_running_loop().run_in_executor(executor, warm_up, lm)  # before it serves

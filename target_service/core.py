@@ -64,6 +64,10 @@ class TargetSettings:
     # The prefix cache's budget (0: off). SmolLM2-135M holds ~23 KB of KV a token on llama.cpp
     # (f16) and ~46 KB on torch (float32): 1 GiB keeps 20-45 thousand tokens of prompts and turns.
     prefix_cache_mb: int = 1024
+    # LOSSY on llama.cpp (opt-in): reuse any cached prefix, a conversation's decoded answer and part
+    # blocks too, as llama-server's cache_prompt does. A next turn starts sooner, but its answer may
+    # part from a fresh prefill's at near-ties (specdec.prefix_cache); torch reuses any prefix anyway.
+    prefix_cache_any: bool = False
     # On llama.cpp: concurrent sessions on sequences of shared contexts, a context's plain steps in one
     # llama_decode (LlamaCppLM.share_context; outputs then agree with plain decoding up to near-ties
     # of llama.cpp's batch-size rounding). Off by default: through `specdec up` 8 streams gained
@@ -147,6 +151,7 @@ class TargetCore:
         self._drafting_cannot_pay: Optional[bool] = None
         # KV of prompts and finished sessions, reused by later sessions that start the same way
         self.prefix_cache: Optional[PrefixCache] = None
+        self.reuse_block = 1 if settings.prefix_cache_any else target.prefill_block  # (specdec.prefix_cache)
         if settings.prefix_cache_mb > 0:  # (every backend snapshots and restores a prefix)
             self.prefix_cache = PrefixCache(settings.prefix_cache_mb << 20, on_change=self._prefix_cache_changed)
             log.info("prefix cache: up to %d MiB of KV, blocks of %d tokens", settings.prefix_cache_mb,
@@ -200,7 +205,7 @@ class TargetCore:
         fresh = sess.cache if not sess.tokens else None  # a new session's cache, never fed: restore into it
         queried = self.prefix_cache.stats.queries
         n, kv = restore_longest(self.prefix_cache, self.target, tokens, at_most=len(tokens) - 1, more_than=have,
-                                into=fresh)
+                                into=fresh, block=self.reuse_block)
         self.metrics.prefix_cache_queries.inc(self.prefix_cache.stats.queries - queried)  # 0: too short to look up
         if kv is None:
             return sess.tokens
@@ -211,7 +216,8 @@ class TargetCore:
     def _remember(self, sess: TargetSession) -> None:
         """Keep the session's KV (all its committed tokens but the last, which its cache holds)."""
         if sess.cache is not None:
-            remember(self.prefix_cache, self.target, sess.cache, sess.tokens[:-1], prefilled=sess.prefilled)
+            remember(self.prefix_cache, self.target, sess.cache, sess.tokens[:-1], prefilled=sess.prefilled,
+                     block=self.reuse_block)
 
     def _prefix_cache_changed(self, cache: PrefixCache, evicted: int) -> None:
         self.metrics.prefix_cache_bytes.set(cache.bytes_held)
@@ -280,7 +286,7 @@ class TargetCore:
         sess.last_logits = None  # (a load that fails leaves none)
         sess.last_logits = load_committed(self.target, sess.cache, tokens, cached=cached, through_last=True)
         # what it fed was prefilled in whole blocks from `kept` on: exact rows where those before were
-        exact_start = kept <= sess.prefilled and kept % self.target.prefill_block == 0
+        exact_start = kept <= sess.prefilled and kept % self.reuse_block == 0
         sess.prefilled = len(tokens) if exact_start else min(sess.prefilled, kept)
         sess.digests.reset(tokens, common_prefix_len(sess.tokens, tokens))
         sess.tokens = list(tokens)

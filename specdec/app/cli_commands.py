@@ -29,6 +29,9 @@ def add_up(sub: argparse._SubParsersAction) -> None:
                    help="threads of the target and of the draft service each (0: each model's default, a thread per core)")
     p.add_argument("--prefix-cache-mb", type=int, default=1024,
                    help="the target's prefix cache: MiB of KV of earlier prompts and turns (0: off)")
+    p.add_argument("--prefix-cache-any", action="store_true",
+                   help="LOSSY on llama.cpp: the prefix cache reuses decoded answers too, as llama-server's prompt "
+                        "cache (a next turn starts sooner, may part at near-ties; the target's --prefix-cache-any)")
     p.add_argument("--history-tokens", type=int, default=1 << 17,
                    help="the target's drafts from earlier sessions: tokens of their prompts and answers kept, whose "
                         "continuation plain decoding drafts where a session's end matches (0: off)")
@@ -69,6 +72,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
                         extra={"target": ["--backend", args.target_backend, *threads,
                                           "--prefix-cache-mb", str(args.prefix_cache_mb),
                                           "--history-tokens", str(args.history_tokens),
+                                          *(["--prefix-cache-any"] if args.prefix_cache_any else []),
                                           *(["--join-sessions"] if args.join_sessions else [])],
                                "draft": ["--backend", args.draft_backend, *threads]})
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731

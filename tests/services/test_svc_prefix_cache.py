@@ -15,21 +15,24 @@ def _counter(metric) -> float:
     return next(s.value for s in metric.collect()[0].samples if s.name.endswith("_total"))
 
 
-@pytest.mark.parametrize("backend", ["torch", "llamacpp"])
+@pytest.mark.parametrize("backend", ["torch", "llamacpp", "llamacpp-any"])
 def test_the_prefix_cache_serves_shared_prompts_and_earlier_turns_and_output_stays_plain(
         redis_url, long_target, tmp_path, backend):
     """A second session with the same long prompt, and a second turn that starts with the first
     turn's tokens, prefill only what follows the cached prefix; the outputs equal plain decoding;
-    the cache stays within its budget."""
+    the cache stays within its budget. On llama.cpp only whole prefill blocks of prompts are
+    reused, unless --prefix-cache-any (lossy there) asks for all of it."""
     from tests.conftest import gguf_copy
     from tests.services.stack import local_stack, run
 
     lm = long_target if backend == "torch" else gguf_copy(long_target, tmp_path / "t.gguf", context=512, n_batch=16)
-    whole = lm.prefill_block  # llama.cpp: whole prefill blocks of prompts only (specdec.prefix_cache)
+    reuse_any = backend == "llamacpp-any"
+    whole = 1 if reuse_any else lm.prefill_block  # llama.cpp: whole prefill blocks of prompts (specdec.prefix_cache)
     system = [(5 * i + 7) % 90 + 3 for i in range(70)]  # a long shared start (a system prompt, a document)
 
     async def scenario():
-        async with local_stack(redis_url, lm, target_settings=TargetSettings(prefix_cache_mb=1)) as st:
+        settings = TargetSettings(prefix_cache_mb=1, prefix_cache_any=reuse_any)
+        async with local_stack(redis_url, lm, target_settings=settings) as st:
             core = st.targets[0].core
             first = await st.client.generate(st.client.request(token_ids=system + [11, 12], max_tokens=20,
                                                                 method="plain"))
@@ -51,7 +54,7 @@ def test_the_prefix_cache_serves_shared_prompts_and_earlier_turns_and_output_sta
     for prompt, out in ((system + [11, 12], first), (system + [13, 14, 15], second), (turn2, third)):
         assert_greedy_equal(lm, prompt, out.token_ids, plain(lm, prompt, 20).token_ids)
     assert shared >= 64, "the second session did not reuse the shared start"
-    if backend == "torch":  # the first session's KV (its prompt and answer but the last token), in whole blocks of 16
+    if whole == 1:  # the first session's KV (its prompt and answer but the last token), in whole blocks of 16
         assert turn >= 16 * ((len(system) + 2 + 20 - 1) // 16), "the second turn did not reuse the first turn"
     else:  # its prompt's whole prefill blocks: a fresh prefill computes the decoded answer otherwise
         assert turn == (len(system) + 2) // whole * whole
