@@ -86,15 +86,17 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> N
 
 
 def start_specdec(threads: int, logs: Path, method: Optional[str], cache: bool = True, backend: str = "auto",
-                  draft_backend: str = "auto", join: bool = False, history: bool = True) -> Server:
+                  draft_backend: str = "auto", join: bool = False, history: bool = True,
+                  cache_any: bool = False) -> Server:
     """`specdec up`; cache False: neither the prefix cache nor the history drafts (nothing of an
-    earlier session reused, as llama-server with its cache off); history False: no history drafts."""
+    earlier session reused, as llama-server with its cache off); history False: no history drafts;
+    cache_any: --prefix-cache-any (lossy on llama.cpp)."""
     ports = [free_port() for _ in range(4)]
     argv = [sys.executable, "-m", "specdec", "up", "--port", str(ports[0]), "--draft-port", str(ports[1]),
             "--target-port", str(ports[2]), "--http-port", str(ports[3]), "--no-metrics", "--threads", str(threads),
             "--log-dir", str(logs / "specdec"), "--target-backend", backend, "--draft-backend", draft_backend,
             *([] if cache else ["--prefix-cache-mb", "0"]), *([] if cache and history else ["--history-tokens", "0"]),
-            *(["--join-sessions"] if join else [])]
+            *(["--join-sessions"] if join else []), *(["--prefix-cache-any"] if cache_any else [])]
     out = open(logs / "specdec-up.log", "wb")
     proc = subprocess.Popen(guarded(argv), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     _wait_http(f"http://127.0.0.1:{ports[3]}/health", proc, 900, logs / "specdec-up.log")
@@ -389,7 +391,8 @@ def parse_args(argv=None):
     p.add_argument("--servers", default="specdec,llama-server",  # also: specdec-nocache, inprocess
                    help="comma list of specdec, specdec-nocache (prefix cache and history drafts off), "
                         "specdec-nohistory (history drafts off), specdec-torchdraft (the draft "
-                        "service's draft on torch), specdec-joined (--join-sessions), llama-server, inprocess")
+                        "service's draft on torch), specdec-joined (--join-sessions), specdec-anycache "
+                        "(--prefix-cache-any, lossy on llama.cpp), llama-server, inprocess")
     p.add_argument("--specdec-backend", default="auto", help="`specdec up --target-backend` (default auto)")
     p.add_argument("--workload", choices=["prompts", "two-turn", "latency"], default="prompts",
                    help="prompts: the per-request table; two-turn: second turns of two-turn prompts (ttft); "
@@ -415,11 +418,13 @@ def main(argv=None) -> int:
     given = dict(u.split("=", 1) for u in args.url)
     servers = [Server(n, u) for n, u in given.items()]
     for name in [n for n in args.servers.split(",") if n not in given]:
-        if name in ("specdec", "specdec-nocache", "specdec-nohistory", "specdec-torchdraft", "specdec-joined"):
+        if name in ("specdec", "specdec-nocache", "specdec-nohistory", "specdec-torchdraft", "specdec-joined",
+                    "specdec-anycache"):
             servers.append(start_specdec(args.threads, logs, args.specdec_method, cache=name != "specdec-nocache",
                                          backend=args.specdec_backend,
                                          draft_backend="fast" if name == "specdec-torchdraft" else "auto",
-                                         join=name == "specdec-joined", history=name != "specdec-nohistory"))
+                                         join=name == "specdec-joined", history=name != "specdec-nohistory",
+                                         cache_any=name == "specdec-anycache"))
             servers[-1].name = name
         elif name == "inprocess":
             servers.append(start_inprocess(args.threads))
