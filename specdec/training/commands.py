@@ -104,7 +104,8 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
-EAGLE_DATA = (Path("data/real"), Path("data/selfdistill"), Path("data/documents"), Path("data/passages"))
+EAGLE_DATA = (Path("data/real"), Path("data/selfdistill"), Path("data/documents"), Path("data/passages"),
+              Path("data/code"))
 
 
 def add_train_eagle(tsub: argparse._SubParsersAction) -> None:
