@@ -233,7 +233,7 @@ def test_the_code_set_reworks_the_standard_librarys_own_functions_and_resumes_by
     import json
 
     from specdec.prompt_sets import DEV_PROMPTS
-    from specdec.training.prompts import code_prompts
+    from specdec.training.prompts import _stdlib_sources, code_prompts
 
     prompts = prompt_set("code", None, seed=0, count=40)
     assert prompts == code_prompts(0, 40) and prompts[:8] == code_prompts(0, 8) and prompts != code_prompts(1, 40)
@@ -242,8 +242,6 @@ def test_the_code_set_reworks_the_standard_librarys_own_functions_and_resumes_by
     assert fenced and all(p.text.startswith("Write a ") and p.text.endswith(".") for p in prompts[3::4])
     source = fenced[0].split("```python\n", 1)[1].rsplit("\n```", 1)[0]
     name = source.split("def ", 1)[1].split("(", 1)[0]
-    from specdec.training.prompts import _stdlib_sources
-
     assert (name, source) in [(n.rsplit(".", 1)[1], s) for n, s in _stdlib_sources()]  # the function's own source
     dev = {json.loads(line)["turns"][0] for line in open(DEV_PROMPTS)}
     assert not dev & {p.text for p in code_prompts(0, 640)}
