@@ -96,7 +96,7 @@ from safetensors.torch import load_file, save_file
 
 from specdec.errors import IncompatibleModels, ModelLoadError
 from specdec.backends.fast import FastKVCache, LayerShape, RopeTable, copy_layer, decoder_layer, linear_rows
-from specdec.backends.hf import attention_inputs, scatter_subset_logits
+from specdec.backends.hf import attention_inputs
 
 SHIPPED_EAGLE = Path(__file__).parent / "assets" / "eagle"
 CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "eagle.safetensors", "eagle_vocab.json"
@@ -265,25 +265,34 @@ class EagleDraft(torch.nn.Module):
         return ids[..., None], score.masked_fill(ids[..., None] < 0, float("-inf"))
 
     @torch.inference_mode()
+    def scores(self, features: torch.Tensor, extra: Optional[ContextTokens] = None,
+               copies: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafting: features [..., H] -> (ids [..., m], logits [..., m] float32): the tokens the
+        draft can draft there and their logits, every other token's probability being 0. They are
+        the subset's, then extra's tokens (for features [B, ..., H]) or else the copy candidates
+        `copies` [...] of a copy_token draft (its context's tokens hold them); an id -1 (a pad, no
+        candidate) has logit -inf. A chain's greedy step needs no more than these (an argmax over
+        m = 8,193 rather than the vocabulary's 49,152); `logits` spreads them over the vocabulary."""
+        sub = linear_rows(features, self.drafting().head).float()
+        ids = self.token_ids.expand(*sub.shape[:-1], -1)
+        if copies is not None and extra is None:
+            copy_ids, copy_score = self.copy_logits(features, copies)
+            return torch.cat([ids, copy_ids], dim=-1), torch.cat([sub, copy_score], dim=-1)
+        if extra is None or extra.ids.shape[1] == 0:
+            return ids, sub
+        shape = (extra.ids.shape[0], *([1] * (features.dim() - 2)), extra.ids.shape[1])
+        extra_ids = extra.ids.view(shape).expand(*features.shape[:-1], -1)
+        return torch.cat([ids, extra_ids], dim=-1), torch.cat([sub, extra.logits(features).float()], dim=-1)
+
+    @torch.inference_mode()
     def logits(self, features: torch.Tensor, extra: Optional[ContextTokens] = None,
                copies: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Drafting: features [..., H] -> full-vocabulary logits [..., vocab], -inf outside the subset
-        (and extra's tokens, for features [B, ..., H]; and the copy candidates `copies` [...] of a
-        copy_token draft without extra: its context's tokens hold them)."""
-        sub = linear_rows(features, self.drafting().head)
-        if copies is not None and extra is None:
-            ids, score = self.copy_logits(features, copies)
-            full = scatter_subset_logits(sub, self.token_ids, self.vocab_size + 1)  # the last column takes -1's
-            return full.scatter_(-1, ids.masked_fill(ids < 0, self.vocab_size), score.to(full.dtype))[
-                ..., : self.vocab_size]
-        if extra is None or extra.ids.shape[1] == 0:
-            return scatter_subset_logits(sub, self.token_ids, self.vocab_size)
-        # one more column takes the pads' scores, then goes
-        full = scatter_subset_logits(sub, self.token_ids, self.vocab_size + 1)
-        index = extra.ids.masked_fill(extra.ids < 0, self.vocab_size)  # [B, C]
-        index = index.view(index.shape[0], *([1] * (features.dim() - 2)), index.shape[1])
-        index = index.expand(*features.shape[:-1], index.shape[-1])
-        return full.scatter_(-1, index, extra.logits(features))[..., : self.vocab_size]
+        """Drafting: features [..., H] -> full-vocabulary logits [..., vocab] (float32), -inf outside
+        what `scores` drafts."""
+        ids, scores = self.scores(features, extra, copies)
+        full = scores.new_full((*scores.shape[:-1], self.vocab_size + 1), float("-inf"))
+        # the last column takes the -1 ids' scores, then goes
+        return full.scatter_(-1, ids.masked_fill(ids < 0, self.vocab_size), scores)[..., : self.vocab_size]
 
     def context_tokens(self, contexts) -> Optional[ContextTokens]:
         """The tokens a context_vocab draft drafts beside its subset: per row, its context's
@@ -335,25 +344,10 @@ class EagleDraft(torch.nn.Module):
     def top_tokens(self, features: torch.Tensor, k: int, extra: Optional[ContextTokens] = None,
                    copies: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafting: features [..., H] -> the k likeliest tokens (ids [..., k], best first) and their
-        log-probabilities [..., k] (float32), over the subset and extra's tokens (for features
-        [B, ..., H]), or the subset and the copy candidates `copies` [...] (as logits); the
-        others have none."""
-        sub = linear_rows(features, self.drafting().head).float()
-        if copies is not None and extra is None:
-            ids, score = self.copy_logits(features, copies)
-            scores = torch.cat([sub, score], dim=-1)  # [..., subset + 1]
-            top = scores.topk(k, dim=-1)
-            table = torch.cat([self.token_ids.expand(*ids.shape[:-1], -1), ids], dim=-1)
-            return table.gather(-1, top.indices), top.values - torch.logsumexp(scores, dim=-1, keepdim=True)
-        if extra is None or extra.ids.shape[1] == 0:
-            top = sub.topk(k, dim=-1)
-            return self.token_ids[top.indices], top.values - torch.logsumexp(sub, dim=-1, keepdim=True)
-        scores = torch.cat([sub, extra.logits(features).float()], dim=-1)  # [B, ..., subset + C]
+        log-probabilities [..., k] (float32), of those `scores` drafts; the others have none."""
+        ids, scores = self.scores(features, extra, copies)
         top = scores.topk(k, dim=-1)
-        batch = features.shape[0]
-        table = torch.cat([self.token_ids.expand(batch, -1), extra.ids], dim=1)  # [B, subset + C]
-        ids = table.gather(1, top.indices.reshape(batch, -1)).view(top.indices.shape)
-        return ids, top.values - torch.logsumexp(scores, dim=-1, keepdim=True)
+        return ids.gather(-1, top.indices), top.values - torch.logsumexp(scores, dim=-1, keepdim=True)
 
     @torch.inference_mode()
     def extend(self, cache: FastKVCache, features: torch.Tensor, input_ids: torch.Tensor,
@@ -491,8 +485,9 @@ def shipped_eagle_path(target_name: str) -> Optional[Path]:
 @torch.inference_mode()
 def step_cost(draft: EagleDraft, target, context_len: int = 64, repeats: int = 7) -> float:
     """c for EAGLE: the median time of one drafting step (one pair appended to a cache of
-    context_len pairs, then the next token's logits) over that of a 1-token target forward
-    against context_len tokens (costmodel.measure_forward_times' one-token figure)."""
+    context_len pairs, then a greedy chain's next token and its probability) over that of a
+    1-token target forward against context_len tokens (costmodel.measure_forward_times' one-token
+    figure)."""
     from specdec.costmodel import measure_forward_times
 
     gen = torch.Generator().manual_seed(0)
@@ -507,7 +502,9 @@ def step_cost(draft: EagleDraft, target, context_len: int = 64, repeats: int = 7
         t0 = time.perf_counter()
         f = draft.extend(cache, torch.randn(1, 1, hidden, generator=gen).to(draft.dtype), torch.tensor([[7]]),
                          previous_ids=ids[:, -1:], copy_ids=None if copies is None else copies[:, -1:])
-        draft.logits(f[:, 0], copies=None if copies is None else copies[:, -1]).argmax(-1).item()
+        drafted, scores = draft.scores(f[:, 0], copies=None if copies is None else copies[:, -1])
+        best = scores.argmax(-1, keepdim=True)
+        drafted.gather(-1, best).item(), torch.softmax(scores, -1).gather(-1, best).item()
         times.append(time.perf_counter() - t0)
         cache.truncate(torch.tensor([context_len]))
     t_draft = sorted(times[2:])[repeats // 2]

@@ -56,6 +56,11 @@ def attention_inputs(cache: KVCache, shape: tuple[int, int], block_mask: Optiona
     position ids [batch, q]). Padding attends to itself only; nothing attends to padding."""
     batch, q = shape
     dev = device
+    if q == 1:  # one input (a chain's drafting step): it sees the valid slots and itself, whatever else is given
+        allowed = torch.cat([cache.valid, torch.ones(batch, 1, dtype=torch.bool, device=dev)], dim=1)[:, None]
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, torch.finfo(dtype).min)
+        positions = cache.lengths[:, None].to(dev) + (0 if depth is None else depth.to(dev))
+        return mask[:, None], positions
     if block_mask is None:
         block_mask = torch.ones(q, q, dtype=torch.bool, device=dev).tril().expand(batch, q, q)
     if depth is None:

@@ -46,7 +46,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -184,6 +184,25 @@ class DepthChoice:
         return worth_including(self.reach.chain([*confidences, confidences[-1]]), k, self.c, self.v)
 
 
+def greedy_chain(first: tuple[torch.Tensor, torch.Tensor],
+                 feed: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], k_max: int,
+                 enough: Optional[Callable[[torch.Tensor, torch.Tensor], bool]] = None) -> torch.Tensor:
+    """draft_chain's greedy case over the tokens a draft can draft (EagleDraft.scores) rather than
+    the vocabulary: from (ids [rows, m], logits [rows, m]) each row's likeliest token, then
+    feed(tokens [rows]) -> the next (ids, logits), up to k_max >= 1 tokens. enough(logits,
+    indexes [rows] into them), called after each token: True stops the chain there.
+    -> tokens [rows, n], n <= k_max."""
+    ids, logits = first
+    drafted = []
+    for step in range(k_max):
+        best = logits.argmax(-1)  # [rows]
+        drafted.append(ids.gather(-1, best[:, None])[:, 0])
+        if (enough is not None and enough(logits, best)) or step + 1 == k_max:
+            break
+        ids, logits = feed(drafted[-1])
+    return torch.stack(drafted, 1)
+
+
 class EagleProposer(Proposer):
     name = "eagle"
     needs_features = True
@@ -271,6 +290,8 @@ class EagleProposer(Proposer):
         before_tok = [torch.tensor([toks[-1] for toks in ctx.token_ids])]  # the token before the next pair's
         indexes = [self._copies[r] for r in ctx.row_ids] if self.draft.copy_token else None  # (catch_up's)
         paths: list[list[int]] = [[] for _ in ctx.k]  # per row: the tokens drafted so far
+        # greedy: over the tokens the draft can draft only; sampling: the vocabulary's distributions
+        score = self.draft.scores if ctx.sampling.greedy else self.draft.logits
 
         def feed(tok: torch.Tensor) -> torch.Tensor:
             copies = None
@@ -281,7 +302,7 @@ class EagleProposer(Proposer):
             predicted[0] = self.draft.extend(self.rows.cache, predicted[0][:, None], tok[:, None],
                                              previous_ids=before_tok[0][:, None], copy_ids=copies)[:, 0]
             before_tok[0] = tok
-            return self.draft.logits(predicted[0], extra, None if copies is None else copies[:, 0])
+            return score(predicted[0], extra, None if copies is None else copies[:, 0])
 
         budgets = self.tree_budgets(ctx)
         if any(n > k for n, k in zip(budgets, ctx.k)):
@@ -297,12 +318,12 @@ class EagleProposer(Proposer):
         confidences: list[list[float]] = [[] for _ in ctx.k]  # per row: per depth drafted
         kept = [0] * len(ctx.k)  # per row: tokens that belong in its block so far
 
-        def enough(logits: torch.Tensor, tok: torch.Tensor) -> bool:
+        def enough(logits: torch.Tensor, chosen: torch.Tensor) -> bool:  # chosen [rows]: indexes into logits
             nonlocal before
             probs = torch.softmax(logits.float(), -1)
             for conf, c in zip(confidences, (before * probs.max(-1).values.cpu()).tolist()):
                 conf.append(c)
-            before = before * probs.gather(-1, tok[:, None].to(probs.device))[:, 0].cpu()
+            before = before * probs.gather(-1, chosen[:, None].to(probs.device))[:, 0].cpu()
             for b, (conf, k) in enumerate(zip(confidences, ctx.k)):
                 if kept[b] == len(conf) - 1 and (self.depth is None or self.depth.include(conf, k)):
                     kept[b] = min(len(conf), k)
@@ -311,8 +332,11 @@ class EagleProposer(Proposer):
 
         # a copy_token draft drafts its copy candidate too, where it is outside the subset
         first_copies = None if indexes is None else torch.tensor([index.candidate(()) for index in indexes])
-        tokens, draft_probs = draft_chain(self.draft.logits(feature, extra, first_copies), feed, k_max, ctx.sampling,
-                                          ctx.generators, enough)
+        if ctx.sampling.greedy:
+            tokens, draft_probs = greedy_chain(score(feature, extra, first_copies), feed, k_max, enough), None
+        else:
+            tokens, draft_probs = draft_chain(score(feature, extra, first_copies), feed, k_max, ctx.sampling,
+                                              ctx.generators, enough)
         tokens = tokens.cpu()  # [rows, n]
         self._confidences = [conf[:n] for conf, n in zip(confidences, kept)]
         return [Proposal(token_ids=tuple(tokens[b, :n].tolist()),

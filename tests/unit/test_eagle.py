@@ -1028,6 +1028,40 @@ def test_a_copy_token_draft_drafts_its_candidate_outside_its_subset_and_stays_lo
         assert [t for t in nodes if t % 2 == 1], nodes
 
 
+def test_a_greedy_chain_over_the_draftable_tokens_drafts_the_vocabulary_argmax_s_chain(tiny_target):
+    """The chain's greedy steps pick among the tokens a draft can draft (EagleDraft.scores: its
+    subset, its copy candidate) rather than over the vocabulary: the same tokens, candidates
+    outside the subset included, and the same probabilities."""
+    from specdec.proposers.draft_model import draft_chain
+    from specdec.proposers.eagle import greedy_chain
+
+    draft = loud_copy_draft(tiny_target, torch.arange(0, 96, 2))
+    gen = torch.Generator().manual_seed(3)
+    features = [torch.randn(2, 48, generator=gen) for _ in range(4)]
+    copies = [torch.tensor([5, -1]), torch.tensor([9, 4]), torch.tensor([-1, 31]), torch.tensor([7, 7])]
+    features[1][0] = 10 * draft.output[9]  # step 1's row 0 and step 2's row 1 favour their candidates
+    features[2][1] = 10 * draft.output[31]
+    ids, scores = draft.scores(features[0], copies=copies[0])
+    assert ids[0, -1] == 5 and ids[1, -1] == -1 and torch.isneginf(scores[1, -1])  # 5 is outside the subset
+    full = draft.logits(features[0], copies=copies[0])
+    torch.testing.assert_close(torch.softmax(scores, -1).max(-1).values, torch.softmax(full, -1).max(-1).values)
+    seen = {"vocab": [], "draftable": []}
+
+    def feeder(score, kind):
+        step = iter(range(1, 4))
+
+        def feed(tok):
+            seen[kind].append(tok.tolist())
+            i = next(step)
+            return score(features[i], copies=copies[i])
+        return feed
+
+    chain = greedy_chain(draft.scores(features[0], copies=copies[0]), feeder(draft.scores, "draftable"), 4)
+    reference, _ = draft_chain(full, feeder(draft.logits, "vocab"), 4, SamplingParams(), None)
+    assert chain.tolist() == reference.tolist() and seen["draftable"] == seen["vocab"]
+    assert chain[0, 1] == 9 and chain[1, 2] == 31, chain  # candidates outside the subset, drafted
+
+
 @pytest.mark.parametrize("backend", ["hf", "fast"])
 def test_a_copy_token_draft_s_trees_are_lossless_and_hold_its_chain(tiny_target, targets, trained_copy_dir, backend):
     target = targets[backend]
