@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 req=$(grep -o '"llama-cpp-python==[^"]*"' pyproject.toml | tr -d '"')
-flags="$(sh scripts/llama-cmake-args.sh) -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF"
+# (llamafile back on: the peer as llama.cpp builds it by default; specdec leaves it out for exactness)
+flags="$(sh scripts/llama-cmake-args.sh) -DGGML_LLAMAFILE=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF"
 key=$(printf '%s\n' "$req" "$flags" "$(uname -m)" "$(${CC:-cc} --version 2>/dev/null | head -1)" | sha256sum | cut -c1-16)
 out="${XDG_CACHE_HOME:-$HOME/.cache}/specdec/llama-server/$key"
 if [ "${1:-}" = --check ]; then  # print the path if it is built, else exit 1 (specdec/bench/serve.py asks)

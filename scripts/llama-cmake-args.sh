@@ -17,6 +17,12 @@
 #                                 default: a VM that advertises AMX without letting a guest run it
 #                                 dies at the first batched forward (general protection fault at
 #                                 ldtilecfg). Turn it on only on bare-metal Sapphire Rapids or later.
+# llamafile's tinyBLAS kernels are left out (-DGGML_LLAMAFILE=OFF): they take a matmul from 2 tokens up
+# (Q8_0, F16, Q4_0 ...) and round otherwise than the 1-token vec_dot, so a k-token verify gave other
+# logits than a 1-token step (by up to 0.65 on the embedded target) and greedy speculative output could
+# part from plain decoding at a near-tie. Without them every output element of a matmul is the same
+# vec_dot whatever the width (specdec.backends.llamacpp.model: flash attention is off for the same
+# reason). llama-server, the peer, is built with llama.cpp's default (scripts/build-llama-server.sh).
 # Anything in SPECDEC_LLAMA_CMAKE_EXTRA is appended as it is (e.g. -DGGML_BLAS=ON).
 set -eu
 cpu=${SPECDEC_LLAMA_CPU:-}
@@ -28,7 +34,7 @@ case "$(uname -m)" in
         cpu=${cpu:-x86-64-v3} ;;
     *) cpu=${cpu:-generic} ;;
 esac
-off="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+off="-DGGML_NATIVE=OFF -DGGML_LLAMAFILE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 v3="-DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
 v4="$v3 -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
 case "$cpu" in

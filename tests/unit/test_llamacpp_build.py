@@ -40,6 +40,7 @@ def test_the_default_flags_are_portable_and_leave_amx_out():
     assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_NATIVE=ON" not in flags
     assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(flags)
     assert not any(f.startswith("-DGGML_AVX512") for f in flags)  # AVX-512 only when asked (x86-64-v4)
+    assert "-DGGML_LLAMAFILE=OFF" in flags  # its kernels round by a forward's width (docs/backends.md)
 
 
 def test_amx_is_compiled_only_on_request_and_only_with_avx512():

@@ -27,6 +27,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import hashlib
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -43,7 +44,26 @@ from specdec.backends.llamacpp.blocks import NotATree, block_parents, kept_path_
 from specdec.backends.llamacpp.build import build_identity
 
 
+# A token's logits must not depend on how many tokens its forward holds: a k-token verify has to
+# round as the 1-token steps of plain decoding do, or greedy speculative output parts from plain
+# decoding at a near-tie (measured: a rag prompt of the dev set parted at its 36th token). This
+# llama.cpp's CPU kernels are chosen by width in four places, each turned off here:
+# - flash attention splits the KV of a 1-query forward over the threads from 512 cells up and tiles
+#   from 64 queries (0.25 in the final hidden state, 0.65 in the logits at 2 tokens against 1):
+#   contexts are made without it (the KV then holds V transposed; the logits are the same at every
+#   width). Measured cost here: none on a decoding step, ~10-20% on a 700-token prefill.
+# - llamafile's tinyBLAS takes matmuls from 2 tokens up: the build leaves it out
+#   (scripts/llama-cmake-args.sh; with it and no flash attention, 0.07 and 0.22).
+# - repacked weights (Q4_0, Q4_K, IQ4_NL on AVX2) have a 1-token gemv and a several-token gemm:
+#   models are loaded without extra buffer types (use_extra_bufts).
+# - K-quant matmuls are tiled from 8 tokens up (ggml-cpu/tiled): GGML_CPU_TILED_MM=0, which
+#   llama.cpp reads once, before the first matmul.
+# tests/integration/test_real_target.py checks the logits of every width against 1-token steps.
+WIDTH_INVARIANT_ENV = {"GGML_CPU_TILED_MM": "0"}
+
+
 def _lib():
+    os.environ.update(WIDTH_INVARIANT_ENV)
     try:
         import llama_cpp
     except ImportError as exc:  # a clear error instead of a traceback deep in the engine
@@ -135,6 +155,7 @@ class _Contexts:
         params.kv_unified = False
         params.n_threads = params.n_threads_batch = lm.threads
         params.no_perf = True
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED  # width-invariant: see WIDTH_INVARIANT_ENV
         ctx = lib.llama_init_from_model(lm.model_handle, params)
         if not ctx:
             raise ModelLoadError(f"llama.cpp could not make a context for {lm.name}: {_why()}")
@@ -417,7 +438,9 @@ class LlamaCppLM:
         if not self.path.is_file():
             raise ModelLoadError(f"GGUF file not found: {self.path}")
         self.name = name or self.path.stem
-        self.model_handle = lib.llama_model_load_from_file(str(self.path).encode(), lib.llama_model_default_params())
+        params = lib.llama_model_default_params()
+        params.use_extra_bufts = False  # no repacked weights: see WIDTH_INVARIANT_ENV
+        self.model_handle = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.model_handle:
             raise ModelLoadError(f"llama.cpp could not load {self.path}: {_why()}")
         vocab = lib.llama_model_get_vocab(self.model_handle)
@@ -438,11 +461,12 @@ class LlamaCppLM:
 
     @property
     def prefill_block(self) -> int:
-        """llama.cpp's kernels depend on how many tokens a forward holds (its CPU flash attention is
-        tiled from 64 queries up, GGML_FA_TILE_Q; the Q4_1 target's logits then differ by up to
-        0.8), so a prompt's logits are those of a fresh prefill, which feeds it in blocks of
-        n_batch from position 0, only where its prefix was restored at a multiple of n_batch and
-        prefilled in such blocks (specdec.prefix_cache)."""
+        """The block a prompt's prefill is fed in: n_batch from position 0 (a prompt's logits are
+        those of a fresh prefill only where its prefix was restored at a multiple of n_batch and
+        prefilled in such blocks, specdec.prefix_cache). With flash attention on, llama.cpp's CPU
+        kernels were tiled from 64 queries up and the logits differed by up to 0.8; with the
+        width-invariant set-up (WIDTH_INVARIANT_ENV) they no longer do, but the rule is kept
+        until the prefix cache's real-GGUF checks are run with a block of 1."""
         return self.n_batch
 
     def __del__(self):
