@@ -19,13 +19,14 @@ longest cached prefix of its tokens.
 Exactness: a restored prefix holds the very keys and values an earlier forward computed, so the
 logits after it equal those after a fresh prefill wherever the backend's arithmetic does not
 depend on how many tokens one forward holds. torch: a forward's width moves logits by float
-rounding only (~1e-6, tests/unit/test_prefix_cache.py), so any prefix is reused. llama.cpp: its
-kernels change with the forward's token count (flash attention is tiled from 64 queries up; the
-Q4_1 target's logits then moved by up to 0.8, which changed 4 of 6 served dev answers), so only what a fresh prefill
-computes the same way is reused: whole blocks of `lm.prefill_block` (its batch) that were
-prefilled in such blocks from position 0 (`remember(..., prefilled=)`), restored at a multiple of
-the block (`restore_longest`), the rest then prefilled in blocks from there as a fresh prefill
-would. An answer's decoded tokens are not such rows: a next turn reuses its prompt's whole blocks.
+rounding only (~1e-6, tests/unit/test_prefix_cache.py); llama.cpp, as specdec builds and runs it,
+not at all (specdec.backends.llamacpp.model.WIDTH_INVARIANT_ENV): so any prefix is reused, a
+conversation's decoded answer too. A backend whose kernels change with the forward's token count
+(llama.cpp with flash attention: tiled from 64 queries up, which moved the Q4_1 target's logits by
+up to 0.8 and changed 4 of 6 served dev answers) sets `lm.prefill_block` to its batch; then only
+what a fresh prefill computes the same way is reused: whole blocks of it that were prefilled in
+such blocks from position 0 (`remember(..., prefilled=)`), restored at a multiple of the block
+(`restore_longest`), the rest then prefilled in blocks from there as a fresh prefill would.
 """
 
 from __future__ import annotations

@@ -50,9 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MiB of KV kept for prompts and finished sessions, reused by sessions that start the same "
                         "way (0: off)")
     p.add_argument("--prefix-cache-any", action="store_true",
-                   help="LOSSY on llama.cpp: reuse any cached prefix, decoded answers too (as llama-server's prompt "
-                        "cache), so a conversation's next turn starts sooner but may part from a fresh prefill's "
-                        "answer at near-ties; default: only what a fresh prefill computes the same way")
+                   help="reuse any cached prefix even on a backend whose kernels depend on a forward's width (LOSSY "
+                        "there: answers may part from a fresh prefill's at near-ties); torch and specdec's llama.cpp "
+                        "build reuse any prefix exactly, with or without it (specdec.prefix_cache)")
     p.add_argument("--history-tokens", type=int, default=1 << 17,
                    help="tokens of finished sessions (prompt and answer) kept for drafts: plain decoding drafts what "
                         "followed where a session's end matches one of them (0: off)")

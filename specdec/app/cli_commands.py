@@ -30,8 +30,8 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-cache-mb", type=int, default=1024,
                    help="the target's prefix cache: MiB of KV of earlier prompts and turns (0: off)")
     p.add_argument("--prefix-cache-any", action="store_true",
-                   help="LOSSY on llama.cpp: the prefix cache reuses decoded answers too, as llama-server's prompt "
-                        "cache (a next turn starts sooner, may part at near-ties; the target's --prefix-cache-any)")
+                   help="the target's --prefix-cache-any: any cached prefix, even on a backend whose kernels depend "
+                        "on a forward's width (LOSSY there; torch and specdec's llama.cpp reuse any prefix exactly)")
     p.add_argument("--history-tokens", type=int, default=1 << 17,
                    help="the target's drafts from earlier sessions: tokens of their prompts and answers kept, whose "
                         "continuation plain decoding drafts where a session's end matches (0: off)")

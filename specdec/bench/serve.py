@@ -90,7 +90,7 @@ def start_specdec(threads: int, logs: Path, method: Optional[str], cache: bool =
                   cache_any: bool = False) -> Server:
     """`specdec up`; cache False: neither the prefix cache nor the history drafts (nothing of an
     earlier session reused, as llama-server with its cache off); history False: no history drafts;
-    cache_any: --prefix-cache-any (lossy on llama.cpp)."""
+    cache_any: --prefix-cache-any (exact on llama.cpp now: any prefix is reused by default)."""
     ports = [free_port() for _ in range(4)]
     argv = [sys.executable, "-m", "specdec", "up", "--port", str(ports[0]), "--draft-port", str(ports[1]),
             "--target-port", str(ports[2]), "--http-port", str(ports[3]), "--no-metrics", "--threads", str(threads),
@@ -392,7 +392,7 @@ def parse_args(argv=None):
                    help="comma list of specdec, specdec-nocache (prefix cache and history drafts off), "
                         "specdec-nohistory (history drafts off), specdec-torchdraft (the draft "
                         "service's draft on torch), specdec-joined (--join-sessions), specdec-anycache "
-                        "(--prefix-cache-any, lossy on llama.cpp), llama-server, inprocess")
+                        "(--prefix-cache-any), llama-server, inprocess")
     p.add_argument("--specdec-backend", default="auto", help="`specdec up --target-backend` (default auto)")
     p.add_argument("--workload", choices=["prompts", "two-turn", "latency"], default="prompts",
                    help="prompts: the per-request table; two-turn: second turns of two-turn prompts (ttft); "

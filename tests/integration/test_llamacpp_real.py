@@ -138,31 +138,41 @@ def test_the_shipped_medusa_heads_run_on_llamacpp_as_a_chain_and_equal_its_plain
 
 
 def test_a_prefix_restored_on_the_gguf_gives_a_fresh_prefills_logits_bit_for_bit(engine):
-    """llama.cpp's kernels change with a forward's token count (its flash attention is tiled from 64
-    queries up), so the prefix cache restores whole prefill blocks only: a document asked about
-    again, and a short prompt after another one that shares its chat template, get the very logits
-    of a fresh prefill (restoring all they share, as before, moved them by 0.73 and 0.81 here, and
-    changed 4 of 6 served answers)."""
+    """A document asked about again reuses all it shares with the first question, a short prompt
+    after another one its chat template, and a conversation's next turn the first turn's decoded
+    answer: each then gets the very logits of a fresh prefill. (With flash attention on, restoring
+    all they share moved them by 0.73 and 0.81 here and changed 4 of 6 served answers, so only whole
+    512-token prefill blocks were reused.)"""
     import torch
 
     from specdec.models import format_prompt
     from specdec.prefix_cache import PrefixCache, remember, restore_longest
     from specdec.prompt_sets import first_per_category, read_prompt_rows
+    from specdec.verify import common_prefix_len
 
     lm, tokenizer = engine.target.lm, engine.target.tokenizer
     document = first_per_category(read_prompt_rows(), ("rag",))[0]["turns"][0]
     asked, again = (format_prompt(tokenizer, f"{document}\n\n{q}") for q in ("Summarize this.", "Who is it about?"))
-    assert len(asked) > lm.prefill_block + 64
+    hi = format_prompt(tokenizer, "Hi!")
+    answer = engine.generate_ids([hi], "plain", stop=StopConditions(max_new_tokens=24))[0].token_ids
+    turn = [*hi, *answer, *format_prompt(tokenizer, "And then?")[1:]]
     cache = PrefixCache(256 << 20)
-    for seen in (format_prompt(tokenizer, "Hi!"), asked):  # what the server read before
+    for seen in (hi, asked):  # what the server read before
         kv = lm.new_cache(1)
         lm.prefill(kv, [seen])
         remember(cache, lm, kv, seen)
-    for prompt, reused in ((again, lm.prefill_block), (format_prompt(tokenizer, "Name a color."), 0)):
+    kv = lm.new_cache(1)  # the first turn as decoded: prompt prefilled, answer in one-token steps
+    lm.prefill(kv, [hi])
+    for token in answer[:-1]:
+        lm.greedy_step(kv, token)
+    remember(cache, lm, kv, [*hi, *answer[:-1]])
+    color = format_prompt(tokenizer, "Name a color.")
+    for prompt, shared in ((again, asked), (color, hi), (turn, [*hi, *answer[:-1]])):
         fresh = lm.prefill(lm.new_cache(1), [prompt]).logits[0].clone()
         n, kv = restore_longest(cache, lm, prompt, at_most=len(prompt) - 1)
-        assert n == reused
-        logits = lm.prefill(kv if kv is not None else lm.new_cache(1), [prompt[n:]]).logits[0]
+        common = common_prefix_len(prompt, shared)
+        assert common - cache.block < n <= common, (n, common)
+        logits = lm.prefill(kv, [prompt[n:]]).logits[0]
         assert torch.equal(logits, fresh), float((logits - fresh).abs().max())
 
 

@@ -60,7 +60,8 @@ def _backends(tiny_target, tmp_path_factory):
                                   n_batch=LLAMACPP_BLOCK)}
 
 
-LLAMACPP_BLOCK = 16  # the llama.cpp copies' prefill block: a few blocks in these prompts
+LLAMACPP_BLOCK = 16  # the llama.cpp copies' n_batch, and the block of the width-dependent rule
+
 
 
 @pytest.fixture(scope="module")
@@ -160,32 +161,45 @@ def test_the_engine_reuses_earlier_prompts_and_answers_and_its_output_stays_plai
     _, shared = generate(PROMPT[:40] + [5, 6, 7])
     turn2 = PROMPT + first + [8, 9, 10]
     _, turn = generate(turn2)
-    if name == "llamacpp":  # the prompts' whole prefill blocks: the answer was decoded, a fresh prefill computes it otherwise
-        assert cold == 0 and shared == 32 and turn == 32
-    else:  # all it shares with the first call's prompt (found by blocks, reused to the token)
-        assert cold == 0 and shared == 40
-        assert turn >= 16 * ((len(PROMPT) + len(first) - 1) // 16), "the next turn did not reuse the first turn's answer"
+    # all it shares with the first call's prompt (found by blocks, reused to the token), on llama.cpp too
+    # (every width rounds alike there: a decoded answer's KV is a fresh prefill's)
+    assert cold == 0 and shared == 40
+    assert turn >= 16 * ((len(PROMPT) + len(first) - 1) // 16), "the next turn did not reuse the first turn's answer"
     assert 0 < engine.prefix_cache.bytes_held <= 8 << 20
 
 
-def test_llamacpp_reuses_only_what_a_fresh_prefill_computes_the_same_way(backends):
-    """llama.cpp's kernels depend on a forward's token count (on the real Q4_1 target logits moved by
-    up to 1.8, changing served answers), so a next turn restores its prompt's whole prefill blocks,
-    never the decoded answer nor a part block, and its logits are those of a fresh prefill, bit for bit."""
+def test_llamacpp_reuses_a_decoded_answer_with_a_fresh_prefills_logits_bit_for_bit(backends):
+    """Every width rounds alike on specdec's llama.cpp (WIDTH_INVARIANT_ENV): a next turn restores the
+    first turn's prompt and decoded answer, and its logits are those of a fresh prefill, bit for bit."""
     from specdec.prefix_cache import remember, restore_longest
 
     lm, cache = backends["llamacpp"], PrefixCache(8 << 20)
+    assert lm.prefill_block == 1
     kv = lm.new_cache(1)
     logits, answer = _continue(lm, kv, PROMPT, 12)  # turn 1: a prefill, then one token a forward
     assert remember(cache, lm, kv, PROMPT + answer[:-1], prefilled=len(PROMPT))
     turn2 = PROMPT + answer + [8, 9, 10]
     fresh, fresh_out = _continue(lm, lm.new_cache(1), turn2, 8)
     n, restored = restore_longest(cache, lm, turn2, at_most=len(turn2) - 1)
-    assert n == LLAMACPP_BLOCK * (len(PROMPT) // LLAMACPP_BLOCK)
+    assert n == len(PROMPT) + len(answer) - 1
     logits, out = _continue(lm, restored, turn2[n:], 8)
     assert torch.equal(logits, fresh) and out == fresh_out
-    shares = LLAMACPP_BLOCK + 3
-    assert restore_longest(cache, lm, PROMPT[:shares] + [4], at_most=shares)[0] == LLAMACPP_BLOCK  # whole blocks only
+
+
+def test_a_backend_of_width_dependent_kernels_reuses_only_whole_prefill_blocks_of_prompts(backends):
+    """With a prefill block > 1 (a backend whose kernels change with a forward's token count), a next
+    turn restores its prompt's whole prefill blocks, never the decoded answer nor a part block."""
+    from specdec.prefix_cache import remember, restore_longest
+
+    lm, cache, block = backends["llamacpp"], PrefixCache(8 << 20), LLAMACPP_BLOCK
+    kv = lm.new_cache(1)
+    _, answer = _continue(lm, kv, PROMPT, 12)
+    assert remember(cache, lm, kv, PROMPT + answer[:-1], prefilled=len(PROMPT), block=block)
+    turn2 = PROMPT + answer + [8, 9, 10]
+    n, restored = restore_longest(cache, lm, turn2, at_most=len(turn2) - 1, block=block)
+    assert n == block * (len(PROMPT) // block)
+    shares = block + 3
+    assert restore_longest(cache, lm, PROMPT[:shares] + [4], at_most=shares, block=block)[0] == block
 
 
 def test_seeded_sampling_is_the_same_with_the_engines_prefix_cache_on_or_off(endless):

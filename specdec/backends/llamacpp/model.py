@@ -459,15 +459,10 @@ class LlamaCppLM:
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # run_each's workers
         self._pool_lock = threading.Lock()
 
-    @property
-    def prefill_block(self) -> int:
-        """The block a prompt's prefill is fed in: n_batch from position 0 (a prompt's logits are
-        those of a fresh prefill only where its prefix was restored at a multiple of n_batch and
-        prefilled in such blocks, specdec.prefix_cache). With flash attention on, llama.cpp's CPU
-        kernels were tiled from 64 queries up and the logits differed by up to 0.8; with the
-        width-invariant set-up (WIDTH_INVARIANT_ENV) they no longer do, but the rule is kept
-        until the prefix cache's real-GGUF checks are run with a block of 1."""
-        return self.n_batch
+    # A restored prefix of any length gives a fresh prefill's logits, bit for bit: every width rounds
+    # alike (WIDTH_INVARIANT_ENV). With flash attention on, its CPU kernels were tiled from 64 queries
+    # up and only whole 512-token blocks could be reused (logits moved by up to 0.8 otherwise).
+    prefill_block = 1
 
     def __del__(self):
         lib = getattr(self, "lib", None)
