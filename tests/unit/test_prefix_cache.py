@@ -63,7 +63,6 @@ def _backends(tiny_target, tmp_path_factory):
 LLAMACPP_BLOCK = 16  # the llama.cpp copies' n_batch, and the block of the width-dependent rule
 
 
-
 @pytest.fixture(scope="module")
 def backends(tiny_target, tmp_path_factory):
     return _backends(tiny_target, tmp_path_factory)
