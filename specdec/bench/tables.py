@@ -24,7 +24,7 @@ RESULTS = ROOT / "bench" / "results-serve"
 SHOWN = {"specdec": "specdec up", "specdec-nocache": "specdec up, prefix cache and history drafts off",
          "specdec-nohistory": "specdec up, history drafts off",
          "specdec-joined": "specdec up --join-sessions",
-         "specdec-anycache": "specdec up --prefix-cache-any (exact: the default reuse now)",
+         "specdec-anycache": "specdec up --prefix-cache-any (lossy on llama.cpp)",
          "inprocess": "specdec in process (`specdec generate`)", "llama-server": "llama-server"}
 BLOCK = re.compile(r"(<!-- table: (?P<name>[^>]+?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
