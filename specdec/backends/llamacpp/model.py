@@ -58,7 +58,7 @@ from specdec.backends.llamacpp.build import build_identity
 #   models are loaded without extra buffer types (use_extra_bufts).
 # - K-quant matmuls are tiled from 8 tokens up (ggml-cpu/tiled): GGML_CPU_TILED_MM=0, which
 #   llama.cpp reads once, before the first matmul.
-# tests/integration/test_real_target.py checks the logits of every width against 1-token steps.
+# tests/integration/test_llamacpp_real.py checks the logits of every width against 1-token steps.
 WIDTH_INVARIANT_ENV = {"GGML_CPU_TILED_MM": "0"}
 
 
